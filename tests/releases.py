@@ -1,0 +1,59 @@
+"""Real Megatron-FSDP releases for the tests: downloaded once, cached, unpacked per release.
+
+Each release is unpacked (not pip-installed) into its own folder, dist-info included, so that a
+subprocess with that folder first on ``sys.path`` imports exactly that release and
+``importlib.metadata`` reports its version, while the test venv itself stays free of megatron.
+The cache lives in ``$MFSDP_HOTFIX_TEST_CACHE`` (default ``<repo>/.cache/releases``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("MFSDP_HOTFIX_TEST_CACHE", REPO / ".cache" / "releases"))
+
+MEGATRON_FSDP = ["0.1.0", "0.2.0", "0.2.1", "0.2.2", "0.2.3", "0.3.0", "0.3.1", "0.4.0",
+                 "0.5.0", "0.5.1", "0.6.0", "0.6.1"]
+# 0.18.1 and 0.19.1 are yanked on PyPI; pip still serves them when pinned exactly.
+MEGATRON_CORE = ["0.13.0", "0.13.1", "0.14.0", "0.15.0", "0.15.1", "0.15.2", "0.15.3", "0.16.0",
+                 "0.16.1", "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.18.2", "0.19.0", "0.19.1",
+                 "0.19.2"]
+# megatron-core ships CPython-specific wheels; the code we read is pure Python either way.
+_CORE_PYTHON = {"0.13.0": "3.11", "0.13.1": "3.11"}
+
+
+def wheel(dist: str, version: str) -> Path:
+    """Path of the cached wheel of ``dist==version``, downloaded on first use."""
+    folder = CACHE / "wheels"
+    prefix = f"{dist.replace('-', '_')}-{version}-"
+    found = sorted(folder.glob(prefix + "*.whl")) if folder.exists() else []
+    if found:
+        return found[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(folder),
+           f"{dist}=={version}"]
+    if dist == "megatron-core":
+        cmd += ["--only-binary=:all:", "--python-version",
+                _CORE_PYTHON.get(version, "3.12" if version >= "0.17" else "3.11")]
+    subprocess.run(cmd, check=True)
+    found = sorted(folder.glob(prefix + "*.whl"))
+    if not found:
+        raise FileNotFoundError(f"pip downloaded no wheel for {dist}=={version} into {folder}")
+    return found[0]
+
+
+def unpacked(dist: str, version: str) -> Path:
+    """Folder holding the unpacked release (package and dist-info), ready for ``sys.path``."""
+    target = CACHE / "unpacked" / f"{dist}-{version}"
+    done = target / ".complete"
+    if not done.exists():
+        target.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheel(dist, version)) as archive:
+            archive.extractall(target)
+        done.touch()
+    return target
