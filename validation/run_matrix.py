@@ -1,0 +1,360 @@
+#!/usr/bin/env python3
+"""Driver for the GPU validation matrix: one device call, many cases, each case its own process.
+
+    python3 validation/run_matrix.py --phase smoke|matrix|perf --out "$OUT"
+
+On the device machine it unpacks the carried wheels (``validation/wheels/*.whl``) into one folder
+per release under /tmp (never two Megatron-FSDP copies on one path), calibrates
+``torch.cuda._sleep`` cycles per millisecond with CUDA events, then runs ``harness.py`` once per
+case: first the ground-truth runs (the same configuration under ``CUDA_LAUNCH_BLOCKING=1``), then
+the asynchronous runs, which compare their gradients against the truth of the same configuration.
+Writes ``<phase>.json`` (every case's record) under --out and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WORK = "/tmp/mfsdp_val"
+
+CORE_PKG = "megatron.core.distributed.fsdp.src.megatron_fsdp"
+RELEASES = [  # (short name, wheel glob, import path)
+    ("fsdp-0.4.0", "megatron_fsdp-0.4.0-*.whl", "megatron_fsdp"),
+    ("fsdp-0.5.1", "megatron_fsdp-0.5.1-*.whl", "megatron_fsdp"),
+    ("fsdp-0.6.1", "megatron_fsdp-0.6.1-*.whl", "megatron_fsdp"),
+    ("core-0.18.2", "megatron_core-0.18.2-*.whl", CORE_PKG),
+    ("core-0.19.2", "megatron_core-0.19.2-*.whl", CORE_PKG),
+]
+REL = {r[0]: r for r in RELEASES}
+
+# correctness model: small enough that 20+ steps of every case fit, big enough to have work
+SMALL = dict(units=4, hidden=512, ffn=1024, tokens=4096, dtype="fp32", steps=20, warmup=2,
+             microbatches=2)
+# performance model: bf16, hidden 4096, 8 units
+LARGE = dict(units=8, hidden=4096, ffn=16384, tokens=4096, dtype="bf16", steps=30, warmup=5,
+             microbatches=2)
+
+
+def unpack_releases(wheel_dir):
+    paths = {}
+    for name, pattern, _ in RELEASES:
+        found = sorted(glob.glob(os.path.join(wheel_dir, pattern)))
+        if not found:
+            continue
+        dest = os.path.join(WORK, "rel", name)
+        if not os.path.exists(os.path.join(dest, ".done")):
+            os.makedirs(dest, exist_ok=True)
+            with zipfile.ZipFile(found[0]) as z:
+                z.extractall(dest)
+            open(os.path.join(dest, ".done"), "w").close()
+        paths[name] = dest
+    return paths
+
+
+def env_report():
+    rep = {}
+    code = ("import importlib,json\nout={}\n"
+            "for m in ['torch','numpy','einops','packaging','wrapt']:\n"
+            "  try:\n    mod=importlib.import_module(m); out[m]=getattr(mod,'__version__','?')\n"
+            "  except Exception as e: out[m]='MISSING '+type(e).__name__\n"
+            "import torch; out['gpu']=torch.cuda.get_device_name(0); out['cuda']=torch.version.cuda\n"
+            "print(json.dumps(out))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    try:
+        rep["packages"] = json.loads(r.stdout.strip().splitlines()[-1])
+    except Exception:
+        rep["packages"] = {"error": (r.stdout + r.stderr)[-2000:]}
+    r = subprocess.run([sys.executable, "-c",
+                        "import mfsdp_hotfix,json; print(json.dumps(mfsdp_hotfix.status(), default=str))"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
+    rep["hotfix_importable"] = r.returncode == 0
+    rep["hotfix_probe"] = (r.stdout + r.stderr)[-1500:]
+    r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,"
+                        "clocks.max.sm", "--format=csv,noheader"], capture_output=True, text=True)
+    rep["nvidia_smi"] = r.stdout.strip()
+    rep["python"] = sys.version.split()[0]
+    return rep
+
+
+def calibrate():
+    import torch
+    torch.cuda.init()
+    res = []
+    for n in (1_000_000, 10_000_000, 50_000_000):
+        for _ in range(3):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            torch.cuda._sleep(n)
+            e.record()
+            torch.cuda.synchronize()
+            res.append((n, s.elapsed_time(e)))
+    big = [n / ms for n, ms in res if n == 50_000_000]
+    return {"cycles_per_ms": sorted(big)[len(big) // 2], "samples": res}
+
+
+class Runner:
+    def __init__(self, out, rel_paths, cycles_per_ms, workers, budget_s, case_timeout):
+        self.out = out
+        self.rel_paths = rel_paths
+        self.cpm = cycles_per_ms
+        self.workers = workers
+        self.deadline = time.time() + budget_s
+        self.case_timeout = case_timeout
+        os.makedirs(os.path.join(WORK, "cases"), exist_ok=True)
+        os.makedirs(os.path.join(WORK, "truth"), exist_ok=True)
+
+    def run_case(self, c):
+        if time.time() > self.deadline:
+            return dict(c, skipped="time budget of the call exhausted")
+        if c["release"] not in self.rel_paths:
+            return dict(c, skipped="release wheel not carried")
+        if c.get("is_truth") and os.path.exists(c["harness"]["save_grads"]):
+            return dict(c, skipped="truth already computed in this call (reused)")
+        if c["harness"].get("truth") and not os.path.exists(c["harness"]["truth"]):
+            return dict(c, skipped="no truth file (truth run crashed or was skipped)")
+        name = c["label"].replace("|", "_").replace(":", "-").replace("+", "p")
+        jout = os.path.join(WORK, "cases", name + ".json")
+        args = [sys.executable, os.path.join(HERE, "harness.py"), "--pkg", REL[c["release"]][2],
+                "--out", jout, "--label", c["label"], "--cycles-per-ms", str(self.cpm)]
+        for k, v in c["harness"].items():
+            if v is True:
+                args.append("--" + k.replace("_", "-"))
+            elif v is not False and v is not None:
+                args += ["--" + k.replace("_", "-"), str(v)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([REPO, self.rel_paths[c["release"]]])
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        env["PYTHONUNBUFFERED"] = "1"
+        env.update(c.get("env", {}))
+        t0 = time.time()
+        try:
+            p = subprocess.run(args, env=env, capture_output=True, text=True,
+                               timeout=self.case_timeout)
+            rc, log = p.returncode, (p.stdout + p.stderr)[-2500:]
+        except subprocess.TimeoutExpired as e:
+            rc, log = "timeout", str(e)[-500:]
+        rec = dict(c)
+        rec["proc_s"] = round(time.time() - t0, 2)
+        rec["rc"] = rc
+        if os.path.exists(jout):
+            with open(jout) as f:
+                rec["result"] = json.load(f)
+        else:
+            rec["result"] = None
+            rec["log_tail"] = log
+        if rc not in (0,) and rec["result"] is None:
+            rec["log_tail"] = log
+        return rec
+
+    def run_all(self, cases):
+        """Truth runs first (in parallel), then everything else (in parallel)."""
+        results = []
+        for wave in (True, False):
+            todo = [c for c in cases if bool(c.get("is_truth")) == wave]
+            if self.workers <= 1:
+                for c in todo:
+                    r = self.run_case(c)
+                    results.append(r)
+                    print(short(r), flush=True)
+            else:
+                with cf.ThreadPoolExecutor(self.workers) as ex:
+                    for r in ex.map(self.run_case, todo):
+                        results.append(r)
+                        print(short(r), flush=True)
+        return results
+
+
+def short(r):
+    res = r.get("result") or {}
+    if r.get("skipped"):
+        return f"SKIP {r['label']}: {r['skipped']}"
+    if res.get("crashed"):
+        return f"CRASH {r['label']}: {res.get('error')}"
+    if res is None or not res:
+        return f"FAIL {r['label']} rc={r.get('rc')}: {r.get('log_tail', '')[-300:]}"
+    return (f"ok {r['label']}: rel_l2={res.get('rel_l2')} max_abs={res.get('max_abs')} "
+            f"step={res.get('step_ms_median')}ms peak={res.get('peak_mem_mb')}MB "
+            f"proc={r.get('proc_s')}s")
+
+
+VARIANTS = {  # name -> (db, fix)
+    "nodb": (0, "none"),
+    "db": (1, "none"),
+    "db+hotfix": (1, "hotfix"),
+    "db+ref": (1, "ref"),
+}
+
+
+def correctness_cases(releases, zero, norm, head, pg, variants, delays, size, tag=""):
+    cases = []
+    for rel in releases:
+        for v in variants:
+            db, fix = VARIANTS[v]
+            tpath = os.path.join(WORK, "truth", f"{rel}_z{zero}_n{norm}_h{head}_{v}.pt")
+            base = dict(size, zero=zero, db=db, fix=fix, norm=norm, head=head)
+            cases.append(dict(
+                label=f"{rel}|z{zero}|{'norm' if norm else 'fused'}{'+head' if head else ''}|truth:{v}",
+                release=rel, is_truth=True, variant=v, zero=zero, norm=norm, head=head, pg="fake",
+                delay_ms=0, env={"CUDA_LAUNCH_BLOCKING": "1"},
+                harness=dict(base, save_grads=tpath, pg="fake")))
+            for d in delays:
+                cases.append(dict(
+                    label=f"{rel}|z{zero}|{'norm' if norm else 'fused'}{'+head' if head else ''}|{pg}|{v}|d{d}{tag}",
+                    release=rel, variant=v, zero=zero, norm=norm, head=head, pg=pg, delay_ms=d,
+                    harness=dict(base, delay_ms=d, pg=pg, truth=tpath)))
+    # de-duplicate truth runs shared between pg modes
+    seen, out = set(), []
+    for c in cases:
+        if c["label"] in seen:
+            continue
+        seen.add(c["label"])
+        out.append(c)
+    return out
+
+
+def phase_cases(phase, hotfix_ok, args):
+    seen, out = set(), []
+    for c in _phase_cases(phase, hotfix_ok, args):
+        if c["label"] not in seen:
+            seen.add(c["label"])
+            out.append(c)
+    return out
+
+
+def _phase_cases(phase, hotfix_ok, args):
+    fixv = "db+hotfix" if hotfix_ok else "db+ref"
+    allrel = [r[0] for r in RELEASES]
+    if phase == "smoke":
+        small = dict(SMALL, steps=3, warmup=1)
+        cases = []
+        cases += correctness_cases(allrel, 2, 0, 0, "fake", ["db", fixv], [20], small)
+        cases += correctness_cases(["fsdp-0.5.1", "fsdp-0.6.1"], 3, 0, 0, "nccl_sem",
+                                   ["db"], [0], small)
+        cases += correctness_cases(["fsdp-0.5.1"], 2, 1, 0, "fake", ["db"], [20], small)
+        cases += correctness_cases(["fsdp-0.5.1"], 3, 0, 0, "fake", ["db"], [0], small)
+        if hotfix_ok:
+            cases += correctness_cases(["fsdp-0.5.1"], 2, 0, 0, "fake", ["db+ref"], [20], small)
+        # one large-model step-time probe (unit backward time, step time)
+        big = dict(LARGE, steps=8, warmup=2, no_grads=True)
+        cases.append(dict(label="fsdp-0.6.1|z2|perf-probe|db", release="fsdp-0.6.1", variant="db",
+                          zero=2, pg="fake", delay_ms=0, perf=True,
+                          harness=dict(big, zero=2, db=1, fix="none", delay_ms=0)))
+        return cases
+    if phase == "matrix":
+        cases = []
+        variants = ["nodb", "db", fixv]
+        for norm in (0, 1):
+            cases += correctness_cases(allrel, 2, norm, 0, "fake", variants, [0, 5, 20, 50], SMALL)
+        # ZeRO-3 rows (second defect), with the plain fake group and with NCCL work semantics
+        for pg in ("fake", "nccl_sem"):
+            cases += correctness_cases(allrel, 3, 0, 0, pg, variants, [0, 20], SMALL)
+        # non-unit head (bucket outside the pool), ZeRO-3
+        for pg in ("fake", "nccl_sem"):
+            cases += correctness_cases(["fsdp-0.5.1", "fsdp-0.6.1"], 3, 0, 1, pg, ["nodb", "db"],
+                                       [0], SMALL)
+        # ZeRO-2 NCCL-semantics control: the gradient race must not depend on the work handles
+        cases += correctness_cases(["fsdp-0.5.1", "fsdp-0.6.1"], 2, 0, 0, "nccl_sem",
+                                   ["db", fixv], [20], SMALL)
+        # kill switch control: MFSDP_HOTFIX=0 must behave as shipped
+        if hotfix_ok:
+            for rel in ("fsdp-0.5.1", "fsdp-0.4.0"):
+                c = correctness_cases([rel], 2, 0, 0, "fake", ["db"], [20], SMALL)[1]
+                c = json.loads(json.dumps(c))
+                c["label"] = c["label"].replace("|db|", "|db+hotfix(MFSDP_HOTFIX=0)|")
+                c["harness"]["fix"] = "hotfix"
+                c["env"] = {"MFSDP_HOTFIX": "0"}
+                cases.append(c)
+        return cases
+    if phase == "perf":
+        fixv_h = fixv
+        dly = args.perf_delay_ms
+        order = []
+        plan = [("fsdp-0.6.1", ["db", fixv_h, "nodb"], [0, dly]),
+                ("core-0.19.2", ["db", fixv_h, "nodb"], [0, dly]),
+                ("fsdp-0.5.1", [fixv_h, "nodb"], [0])]
+        for rep in range(args.perf_reps):
+            for rel, vs, ds in plan:
+                for d in ds:
+                    for v in vs:
+                        db, fix = VARIANTS[v]
+                        order.append(dict(
+                            label=f"{rel}|z2|perf|{v}|d{d}|rep{rep}", release=rel, variant=v,
+                            zero=2, pg="fake", delay_ms=d, perf=True, rep=rep,
+                            harness=dict(LARGE, zero=2, db=db, fix=fix, delay_ms=d,
+                                         no_grads=True)))
+        return order
+    if phase == "issueb":
+        cases = correctness_cases(["fsdp-0.5.1", "fsdp-0.6.1"], 3, 0, 0, "fake", ["db"], [], SMALL)
+        cases += correctness_cases(["fsdp-0.4.0"], 3, 0, 0, "fake", [fixv], [], SMALL)
+        for rel in ("fsdp-0.5.1", "fsdp-0.6.1", "fsdp-0.4.0"):
+            v = fixv if rel == "fsdp-0.4.0" else "db"
+            db, fix = VARIANTS[v]
+            for pg in ("fake", "nccl_sem"):
+                cases.append(dict(label=f"{rel}|z3|fused|{pg}|{v}|slots", release=rel, variant=v,
+                                  zero=3, pg=pg, delay_ms=0,
+                                  harness=dict(SMALL, steps=3, zero=3, db=db, fix=fix, pg=pg,
+                                               trace_slots=True, truth=os.path.join(
+                                                   WORK, "truth", f"{rel}_z3_n0_h0_{v}.pt"))))
+        return cases
+    raise SystemExit(f"unknown phase {phase}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", required=True, nargs="+")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/mfsdp_out"))
+    ap.add_argument("--wheels", default=os.path.join(HERE, "wheels"))
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--budget-s", type=float, default=520)
+    ap.add_argument("--case-timeout", type=float, default=240)
+    ap.add_argument("--perf-delay-ms", type=float, default=2.0)
+    ap.add_argument("--perf-reps", type=int, default=2)
+    ap.add_argument("--releases", default="", help="comma list to restrict")
+    ap.add_argument("--dry", action="store_true", help="list the cases and exit")
+    args = ap.parse_args()
+    if args.dry:
+        for phase in args.phase:
+            cs = phase_cases(phase, True, args)
+            print(f"== {phase}: {len(cs)} cases ({sum(1 for c in cs if c.get('is_truth'))} truth)")
+            for c in cs:
+                print("  ", c["label"])
+        return
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    rel_paths = unpack_releases(args.wheels)
+    env = env_report()
+    cal = calibrate()
+    print(json.dumps({"env": env, "calibration": cal["cycles_per_ms"]}, default=str), flush=True)
+    hotfix_ok = env["hotfix_importable"]
+    runner = Runner(args.out, rel_paths, cal["cycles_per_ms"], args.workers, args.budget_s,
+                    args.case_timeout)
+    for phase in args.phase:
+        cases = phase_cases(phase, hotfix_ok, args)
+        if args.releases:
+            keep = set(args.releases.split(","))
+            cases = [c for c in cases if c["release"] in keep]
+        if phase == "perf":
+            runner.workers = 1
+        print(f"== phase {phase}: {len(cases)} cases, workers={runner.workers}", flush=True)
+        tp = time.time()
+        results = runner.run_all(cases)
+        doc = {"phase": phase, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+               "env": env, "calibration": cal, "phase_wall_s": round(time.time() - tp, 1),
+               "small_model": SMALL, "large_model": LARGE, "cases": results}
+        with open(os.path.join(args.out, f"{phase}.json"), "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+    print(f"== total wall {time.time() - t0:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
