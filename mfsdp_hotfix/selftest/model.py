@@ -1,0 +1,159 @@
+"""The selftest model: identical FSDP units whose linears use TE-style fused wgrad accumulation.
+
+Why this shape: the bug needs (a) fused wgrad accumulation that fetches the gradient bucket lazily
+through ``weight.get_main_grad`` captured at *forward* time, as TransformerEngine does, (b) at
+least three units of identical size, so they share the double-buffer pool, and (c) a non-fused
+parameter per unit (LayerNorm), whose gradient goes through Megatron-FSDP's own ``_grad_acc`` path.
+
+The fused-wgrad contract emulated (TE ``module/linear.py``; megatron-core ``tensor_parallel/
+layers.py``): in backward, ``main_grad = captured_get_main_grad()``; write the wgrad into it
+(overwrite when ``weight.overwrite_main_grad``, else accumulate); set
+``weight.grad_added_to_main_grad = True``; return a dummy wgrad so the per-parameter
+post-accumulate hook still fires.  The dummy is NaN-filled: TE's is uninitialised memory, and
+NaN makes any use of it visible instead of silently plausible.
+Without Megatron-FSDP (``__fsdp_param__`` absent) the same layer is a plain linear, which is
+what the single-process reference uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class _FusedWgradLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, inp: torch.Tensor, weight: torch.Tensor,
+                main_grad_func: Callable[[], torch.Tensor] | None) -> torch.Tensor:
+        ctx.save_for_backward(inp, weight)
+        ctx.param = weight  # the parameter object itself: TE sets attributes on it
+        ctx.main_grad_func = main_grad_func
+        return inp.matmul(weight.t())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (grad_out,) = grads
+        inp, weight = ctx.saved_tensors
+        grad_in = grad_out.matmul(weight)
+        wgrad = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(inp.reshape(-1, inp.shape[-1]))
+        if ctx.main_grad_func is None:
+            return grad_in, wgrad, None
+        main_grad = ctx.main_grad_func()
+        param = ctx.param
+        if getattr(param, "overwrite_main_grad", False):
+            main_grad.copy_(wgrad)
+        else:
+            main_grad.add_(wgrad)
+        param.grad_added_to_main_grad = True
+        return grad_in, torch.full_like(weight, float("nan")), None
+
+
+class FusedWgradLinear(torch.nn.Module):
+    """Bias-free linear; fused wgrad accumulation whenever its weight is a Megatron-FSDP param."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
+        torch.nn.init.normal_(self.weight, std=in_features ** -0.5)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        main_grad_func = None
+        if hasattr(weight, "__fsdp_param__") and hasattr(weight, "get_main_grad"):
+            main_grad_func = weight.get_main_grad  # captured now, called in backward (TE)
+        out: torch.Tensor = _FusedWgradLinear.apply(  # type: ignore[no-untyped-call]
+            inp, weight, main_grad_func)
+        return out
+
+
+class McoreLinear(torch.nn.Module):
+    """megatron-core's own ``linear_with_grad_accumulation_and_async_allreduce`` with fusion on."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
+        torch.nn.init.normal_(self.weight, std=in_features ** -0.5)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self.weight, "__fsdp_param__"):
+            return torch.nn.functional.linear(inp, self.weight)
+        import inspect
+
+        from megatron.core.tensor_parallel.layers import (  # type: ignore[import-not-found]
+            linear_with_grad_accumulation_and_async_allreduce as fused,
+        )
+        wanted: dict[str, Any] = {
+            "input": inp, "weight": self.weight, "bias": None,
+            "gradient_accumulation_fusion": True, "allreduce_dgrad": False,
+            "async_grad_allreduce": False, "sequence_parallel": False,
+        }
+        accepted = inspect.signature(fused).parameters
+        out: torch.Tensor = fused(**{k: v for k, v in wanted.items() if k in accepted})
+        return out
+
+
+class Unit(torch.nn.Module):
+    """One FSDP unit, pre-norm: ``x + fc2(tanh(fc1(norm(x))))``.
+
+    Pre-norm (as in GPT-style blocks) matters: in backward the fused linears need the unit's
+    gradient bucket before the LayerNorm's own gradient arrives, so the bucket is first taken
+    through the lazy getter.  A norm at the end of the unit would take it first through
+    Megatron-FSDP's guarded ``_grad_acc`` path and hide the defect.
+    """
+
+    def __init__(self, hidden: int, linear: str = "emulated") -> None:
+        super().__init__()
+        cls = McoreLinear if linear == "mcore" else FusedWgradLinear
+        self.fc1 = cls(hidden, 2 * hidden)
+        self.fc2 = cls(2 * hidden, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+        return out
+
+
+class Stack(torch.nn.Module):
+    """``units`` identical units in sequence; every parameter lives inside a unit."""
+
+    def __init__(self, hidden: int, units: int, linear: str = "emulated") -> None:
+        super().__init__()
+        self.units = torch.nn.ModuleList(Unit(hidden, linear) for _ in range(units))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in self.units:
+            x = unit(x)
+        return x
+
+    def unit_list(self) -> list[Unit]:
+        return [u for u in self.units if isinstance(u, Unit)]
+
+
+def build(hidden: int, units: int, seed: int, linear: str = "emulated",
+          dtype: torch.dtype = torch.float32) -> Stack:
+    """Same seed, same weights: the FSDP ranks and the reference all start from this."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Stack(hidden, units, linear)
+        with torch.no_grad():  # LayerNorm starts at (1, 0); perturb so its grads are not trivial
+            for unit in model.unit_list():
+                unit.norm.weight.add_(0.1 * torch.randn(hidden))
+                unit.norm.bias.add_(0.1 * torch.randn(hidden))
+    finally:
+        torch.random.set_rng_state(gen_state)
+    return model.to(dtype)
+
+
+def batches(hidden: int, tokens: int, ranks: int, microbatches: int, iterations: int,
+            seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inputs indexed ``[iteration, microbatch, rank, token, hidden]``; targets share the seed."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    shape = (iterations, microbatches, ranks, tokens, hidden)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()

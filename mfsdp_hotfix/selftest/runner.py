@@ -1,0 +1,132 @@
+"""Run one case as a pair of worker processes and merge what the two ranks report.
+
+Why subprocesses: the ``torch.cuda`` stand-in must never enter the caller's process, each case
+needs a fresh interpreter (one release, hotfix on or off), and gloo has been seen to die
+natively now and then; a case whose rank died by a signal is run once more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
+
+WORLD = 2
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # folder holding mfsdp_hotfix/
+
+
+def worker_env(spec: CaseSpec) -> dict[str, str]:
+    """Environment of the workers: release first on the path, hotfix switches as the spec says."""
+    env = dict(os.environ)
+    paths = [spec.path] if spec.path else []
+    if str(_PACKAGE_ROOT) not in {str(Path(p).resolve()) for p in sys.path if p}:
+        paths.append(str(_PACKAGE_ROOT))
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.pop("MFSDP_HOTFIX", None)
+    env.pop("MFSDP_HOTFIX_DISABLED_FIXES", None)
+    if spec.hotfix == "off":
+        env["MFSDP_HOTFIX"] = "0"
+    if spec.disabled_fixes:
+        env["MFSDP_HOTFIX_DISABLED_FIXES"] = spec.disabled_fixes
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
+        list[dict[str, Any] | None], list[int], str]:
+    with tempfile.TemporaryDirectory(prefix="mfsdp-selftest-") as tmp:
+        store = os.path.join(tmp, "store")
+        env = worker_env(spec)
+        procs = []
+        logs = []
+        for rank in range(WORLD):
+            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+b")  # noqa: SIM115 - closed below
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "mfsdp_hotfix.selftest.worker", spec.to_json(),
+                 str(rank), str(WORLD), store, tmp],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        started = time.monotonic()
+        first_exit: float | None = None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if first_exit is None and any(p.poll() is not None for p in procs):
+                first_exit = now
+            over_time = now - started > spec.timeout_s
+            peer_gone = first_exit is not None and now - first_exit > 20.0
+            if over_time or peer_gone:  # a rank left; its peer may wait in a collective forever
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                break
+            if tick is not None:
+                tick(now - started)
+            time.sleep(0.2)
+        codes = [p.wait() for p in procs]
+        reports: list[dict[str, Any] | None] = []
+        for rank in range(WORLD):
+            path = Path(tmp) / f"rank{rank}.json"
+            reports.append(json.loads(path.read_text()) if path.exists() else None)
+        tail = ""
+        for rank, log in enumerate(logs):
+            log.seek(0)
+            text = log.read().decode(errors="replace")
+            log.close()
+            tail += f"--- rank {rank} (exit {codes[rank]}) ---\n{text[-3000:]}\n"
+        return reports, codes, tail
+
+
+def run_case(spec: CaseSpec, tick: Callable[[float], None] | None = None) -> CaseResult:
+    """Run ``spec`` on two ranks; rerun once if a rank died by a signal without reporting."""
+    started = time.monotonic()
+    attempts = 0
+    while True:
+        attempts += 1
+        reports, codes, tail = _attempt(spec, tick)
+        died = any(r is None and c is not None and c < 0 for r, c in zip(reports, codes))
+        if not died or attempts >= 2:
+            break
+    result = merge(spec, reports, codes, tail)
+    result.attempts = attempts
+    result.wall_s = time.monotonic() - started
+    return result
+
+
+def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int],
+          tail: str) -> CaseResult:
+    result = CaseResult(spec=spec, returncodes=list(codes), log_tail=tail[-6000:])
+    present = [r for r in reports if r is not None]
+    if len(present) < len(reports):
+        missing = [i for i, r in enumerate(reports) if r is None]
+        result.exception = f"rank(s) {missing} reported nothing (exit codes {codes})"
+    result.crashed = len(present) < len(reports) or any(r.get("crashed", True) for r in present)
+    for report in present:
+        if report.get("exception") and not result.exception:
+            result.exception = str(report["exception"])
+    rank0 = reports[0] or {}
+    result.max_abs_grad_error = rank0.get("max_abs_grad_error")
+    result.max_rel_grad_error = rank0.get("max_rel_grad_error")
+    orderings = [r["ordering"] for r in present if "ordering" in r]
+    if orderings:
+        result.ordering_checks = sum(int(o["checks"]) for o in orderings)
+        result.ordering_violations = sum(int(o["violations"]) for o in orderings)
+        result.first_violations = [v for o in orderings for v in o["first_violations"]][:5]
+    result.release = dict(rank0.get("release") or (present[0].get("release") if present else {})
+                          or {})
+    result.hotfix_status = rank0.get("hotfix_status")
+    worker_times = [float(r["worker_s"]) for r in present if "worker_s" in r]
+    result.worker_s = max(worker_times) if worker_times else None
+    return result

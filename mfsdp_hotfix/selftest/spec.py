@@ -1,0 +1,91 @@
+"""What one selftest case is, and what it found (plain data, JSON-friendly, no torch).
+
+Why a separate module: the user's process (CLI, pytest) builds and reads these without importing
+torch or megatron; only the worker processes run them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FLAVOURS = ("auto", "standalone", "core")
+HOTFIX_MODES = ("on", "off")
+
+
+@dataclass
+class CaseSpec:
+    """One run: which Megatron-FSDP copy, which configuration, and whether the hotfix is loaded.
+
+    ``hotfix``: "on" imports ``mfsdp_hotfix`` before the release (nothing else); "off" does the
+    same with ``MFSDP_HOTFIX=0`` (the product's kill switch), which is how a user turns it off.
+    ``disabled_fixes`` goes to ``MFSDP_HOTFIX_DISABLED_FIXES`` (negative controls).
+    ``path``: a folder put first on the workers' ``sys.path`` (an unpacked release), or None for
+    whatever is importable.
+    """
+
+    flavour: str = "auto"
+    path: str | None = None
+    hotfix: str = "on"
+    disabled_fixes: str = ""
+    double_buffer: bool = True
+    strategy: str = "optim_grads_params"
+    linear: str = "emulated"
+    units: int = 5
+    hidden: int = 16
+    tokens: int = 8
+    microbatches: int = 2
+    iterations: int = 2
+    seed: int = 1234
+    dtype: str = "float32"
+    timeout_s: float = 240.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> CaseSpec:
+        return cls(**json.loads(text))
+
+    def label(self) -> str:
+        where = self.path or "importable"
+        bits = [self.flavour, where.rsplit("/", 1)[-1], f"hotfix={self.hotfix}"]
+        if self.disabled_fixes:
+            bits.append(f"disabled={self.disabled_fixes}")
+        if not self.double_buffer:
+            bits.append("no-double-buffer")
+        if self.strategy != "optim_grads_params":
+            bits.append(self.strategy)
+        if self.linear != "emulated":
+            bits.append(f"linear={self.linear}")
+        return " ".join(bits)
+
+
+@dataclass
+class CaseResult:
+    """What the two ranks reported, merged.  ``ok`` means: no crash and grads match the reference."""
+
+    spec: CaseSpec
+    crashed: bool = True
+    exception: str | None = None
+    max_abs_grad_error: float | None = None
+    max_rel_grad_error: float | None = None
+    ordering_checks: int | None = None
+    ordering_violations: int | None = None
+    first_violations: list[dict[str, Any]] = field(default_factory=list)
+    wall_s: float = 0.0
+    worker_s: float | None = None
+    release: dict[str, Any] = field(default_factory=dict)
+    hotfix_status: Any = None
+    hotfix_import_error: str | None = None
+    attempts: int = 1
+    returncodes: list[int | None] = field(default_factory=list)
+    log_tail: str = ""
+
+    def grads_match(self, tolerance: float) -> bool:
+        return (not self.crashed and self.max_abs_grad_error is not None
+                and self.max_abs_grad_error <= tolerance)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,234 @@
+"""One rank of a selftest case: real Megatron-FSDP on CPU/gloo, checked against plain PyTorch.
+
+Run by the runner as ``python -m mfsdp_hotfix.selftest.worker SPEC_JSON RANK WORLD STORE OUT``,
+once per rank, with the chosen release first on ``PYTHONPATH``.  It installs the ``torch.cuda``
+stand-in (only here, in this process), imports the release (the hotfix, when enabled, is already
+imported as the parent package and patches it through its import hooks), wraps the release's
+pools with the ordering checker, trains ``iterations`` x ``microbatches`` steps of
+forward/backward/``finish_grad_sync`` with ``zero_grad_buffer`` between iterations, gathers
+the full gradients and compares them with a single-process reference.  It writes
+``OUT/rank{R}.json`` and exits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from mfsdp_hotfix.selftest.spec import CaseSpec
+
+STANDALONE = "megatron_fsdp"
+VENDORED = "megatron.core.distributed.fsdp.src.megatron_fsdp"
+
+
+def resolve_flavour(flavour: str) -> str:
+    """``auto``: megatron-core's vendored copy when megatron-core is importable, else standalone.
+
+    (Standalone Megatron-FSDP prefers megatron-core's config classes when both are importable,
+    so a user with megatron-core is running that copy's world anyway.)  Nothing is imported.
+    """
+    if flavour != "auto":
+        return flavour
+    spec = importlib.util.find_spec("megatron")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / "core/distributed/fsdp/src/megatron_fsdp/__init__.py").exists():
+            return "core"
+    if importlib.util.find_spec(STANDALONE) is not None:
+        return "standalone"
+    raise ImportError("no Megatron-FSDP copy is importable (neither megatron_fsdp nor megatron-core)")
+
+
+def _release_info(flavour: str, package: ModuleType) -> dict[str, Any]:
+    dist = "megatron-core" if flavour == "core" else "megatron-fsdp"
+    try:
+        version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        version = getattr(package, "__version__", "unknown")
+    return {"flavour": flavour, "dist": dist, "version": version,
+            "path": str(Path(package.__file__ or "").parent),
+            "python": sys.version.split()[0]}
+
+
+def _hotfix_status() -> Any:
+    module = sys.modules.get("mfsdp_hotfix")
+    status = getattr(module, "status", None)
+    if status is None:
+        return None
+    try:
+        return json.loads(json.dumps(status(), default=repr))
+    except Exception as exc:  # noqa: BLE001 - a broken status() is reported, not fatal
+        return {"status_error": repr(exc)}
+
+
+def _gather_full(grads: dict[str, Any]) -> dict[str, Any]:
+    """Full gradients from the ranks' row shards (Megatron-FSDP shards dim 0, rank order).
+
+    Written here rather than taken from the release: its uneven-DTensor gather uses an
+    all-gather of unequal sizes, which gloo refuses.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    local = {n: (g.to_local() if isinstance(g, DTensor) else g).detach().clone()
+             for n, g in grads.items()}
+    shards: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, local)
+    full = {}
+    for name, grad in grads.items():
+        if not isinstance(grad, DTensor):
+            full[name] = local[name]
+            continue
+        pieces = [s[name].reshape(-1, *grad.shape[1:]) for s in shards]
+        joined = torch.cat(pieces, dim=0)
+        if tuple(joined.shape) != tuple(grad.shape):
+            raise RuntimeError(f"harness: shards of {name} join to {tuple(joined.shape)}, "
+                               f"expected {tuple(grad.shape)}")
+        full[name] = joined
+    return full
+
+
+def _wrap(fully_shard: ModuleType, module: Any, unit_cls: type, spec: CaseSpec) -> Any:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("fsdp", "tp"))
+    wanted: dict[str, Any] = {
+        "module": module, "device_mesh": mesh, "dp_shard_dim": "fsdp", "tp_dim": "tp",
+        "fsdp_unit_modules": [unit_cls],
+        "zero_dp_strategy": 3 if spec.strategy == "optim_grads_params" else 2,
+        "device": torch.device("cpu"), "fsdp_double_buffer": spec.double_buffer,
+        "overlap_grad_reduce": True, "overlap_param_gather": True,
+    }
+    accepted = inspect.signature(fully_shard.fully_shard_model).parameters
+    model = fully_shard.fully_shard_model(**{k: v for k, v in wanted.items() if k in accepted})
+    # gloo has no PREMUL_SUM: scale first, then SUM (a setting, not a patch).
+    if hasattr(model.ddp_config, "gradient_reduce_div_fusion"):
+        model.ddp_config.gradient_reduce_div_fusion = False
+    return model
+
+
+def _reference(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any) -> list[dict[str, Any]]:
+    """Plain single-process PyTorch: sum over microbatches of the mean over ranks of the loss."""
+    from mfsdp_hotfix.selftest import model as model_lib
+
+    ref = model_lib.build(spec.hidden, spec.units, spec.seed, "plain", dtype)
+    out: list[dict[str, Any]] = []
+    for it in range(spec.iterations):
+        ref.zero_grad(set_to_none=True)
+        for mb in range(spec.microbatches):
+            ranks = inputs.shape[2]
+            loss = sum(model_lib.loss_fn(ref(inputs[it, mb, r]), targets[it, mb, r])
+                       for r in range(ranks)) / ranks
+            loss.backward()
+        out.append({n: p.grad.detach().clone() for n, p in ref.named_parameters()
+                    if p.grad is not None})
+    return out
+
+
+def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str, Any]:
+    started = time.perf_counter()
+    report: dict[str, Any] = {"rank": rank, "crashed": True}
+    from mfsdp_hotfix.selftest import cuda_standin
+
+    cuda_standin.install()
+    import torch
+    import torch.distributed as dist
+
+    report["hotfix_status"] = _hotfix_status()
+    flavour = resolve_flavour(spec.flavour)
+    package = importlib.import_module(VENDORED if flavour == "core" else STANDALONE)
+    report["release"] = _release_info(flavour, package)
+    pgb = importlib.import_module(package.__name__ + ".param_and_grad_buffer")
+    fully_shard = importlib.import_module(package.__name__ + ".fully_shard")
+    report["hotfix_status"] = _hotfix_status()  # again: hooks may have fired on that import
+
+    from mfsdp_hotfix.selftest import model as model_lib
+    from mfsdp_hotfix.selftest.ordering import OrderingChecker
+
+    checker = OrderingChecker()
+    checker.install(pgb)
+
+    store = dist.FileStore(store_path, world)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=max(30.0, spec.timeout_s / 2)))
+    dtype = getattr(torch, spec.dtype)
+    inputs = model_lib.batches(spec.hidden, spec.tokens, world, spec.microbatches,
+                               spec.iterations, spec.seed, dtype)
+    targets = model_lib.batches(spec.hidden, spec.tokens, world, spec.microbatches,
+                                spec.iterations, spec.seed + 7, dtype)
+    try:
+        net = model_lib.build(spec.hidden, spec.units, spec.seed, spec.linear, dtype)
+        fsdp = _wrap(fully_shard, net, model_lib.Unit, spec)
+        fsdp_started = time.perf_counter()
+        worst_abs, worst_rel = 0.0, 0.0
+        reference = _reference(spec, inputs, targets, dtype) if rank == 0 else None
+        for it in range(spec.iterations):
+            fsdp.zero_grad_buffer()
+            for mb in range(spec.microbatches):
+                if hasattr(fsdp, "set_is_last_microbatch"):
+                    fsdp.set_is_last_microbatch(mb == spec.microbatches - 1)
+                out = fsdp(inputs[it, mb, rank])
+                model_lib.loss_fn(out, targets[it, mb, rank]).backward()  # type: ignore[no-untyped-call]
+            fsdp.finish_grad_sync()
+            sharded = {}
+            for name, param in fsdp.module.named_parameters():
+                if param.grad is None:
+                    raise AssertionError(f"no gradient for {name} after finish_grad_sync")
+                sharded[name] = param.grad
+            grads = _gather_full(sharded)
+            if reference is not None:
+                for name, want in reference[it].items():
+                    got = grads[name].reshape(want.shape)
+                    diff = (got - want).abs().max().item()
+                    if math.isnan(diff):
+                        diff = math.inf
+                    scale = want.abs().max().item() or 1.0
+                    worst_abs = max(worst_abs, diff)
+                    worst_rel = max(worst_rel, diff / scale)
+        report["fsdp_s"] = time.perf_counter() - fsdp_started
+        report["crashed"] = False
+        if rank == 0:
+            report["max_abs_grad_error"] = worst_abs
+            report["max_rel_grad_error"] = worst_rel
+    except BaseException as exc:  # noqa: BLE001 - any failure is the case's outcome
+        report["exception"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc()[-4000:]
+    report["ordering"] = checker.summary()
+    report["hotfix_status"] = _hotfix_status()
+    report["worker_s"] = time.perf_counter() - started
+    return report
+
+
+def main(argv: list[str]) -> int:
+    spec_json, rank, world, store_path, out_dir = argv
+    spec = CaseSpec.from_json(spec_json)
+    out = Path(out_dir) / f"rank{rank}.json"
+    try:
+        report = run_rank(spec, int(rank), int(world), store_path)
+    except BaseException as exc:  # noqa: BLE001 - reported as a harness error
+        report = {"rank": int(rank), "crashed": True, "harness_error": True,
+                  "exception": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()[-4000:]}
+    out.write_text(json.dumps(report, default=repr))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a peer stuck in a collective must not hang us, and gloo
+    # teardown has crashed natively before.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
