@@ -1,0 +1,58 @@
+"""mfsdp_hotfix: runtime repair of Megatron-FSDP's gradient double-buffer bugs.
+
+Importing this package arms the fix (unless ``MFSDP_HOTFIX=0``): as soon as Megatron is imported,
+post-import hooks patch every copy of Megatron-FSDP, the standalone ``megatron_fsdp`` and the one
+vendored in megatron-core. The import itself is cheap and imports neither torch nor megatron.
+"""
+
+from __future__ import annotations
+
+from . import trigger
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing costs more to import than this whole package
+    from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "apply_to", "install", "status", "summary", "uninstall"]
+
+
+def install(strict: bool | None = None) -> bool:
+    """Patch every Megatron-FSDP copy now and on import (idempotent); see ``installer.install``."""
+    from . import installer
+
+    trigger.disarm()
+    return installer.install(strict, loaded_via=trigger.loaded_via)
+
+
+def uninstall() -> bool:
+    """Restore the originals that are still ours; True if every one was."""
+    from . import installer
+
+    trigger.disarm()
+    return installer.uninstall()
+
+
+def status() -> dict[str, Any]:
+    """What was detected and applied, and why, as plain data."""
+    from . import installer
+
+    return installer.status()
+
+
+def summary() -> str:
+    """One line: what this process patched."""
+    from . import installer
+
+    return installer.summary()
+
+
+def apply_to(model: Any) -> int:
+    """Guard the getters of a model built before the hotfix was installed."""
+    from . import installer
+
+    trigger.disarm()
+    return installer.apply_to(model)
+
+
+trigger.arm("import")

@@ -1,0 +1,1 @@
+"""One module per fix; each exposes ``apply(...) -> undo`` and touches only class attributes."""

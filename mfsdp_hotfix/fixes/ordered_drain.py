@@ -1,0 +1,76 @@
+"""Fix ``ordered-drain``: a drain that is right in every era.
+
+``GradReducePipeline._enforce_double_buffer_limit`` runs before a gradient bucket is taken from the
+fixed pool. It must (1) retire queued reduce-scatters until at most pool-size units are live,
+counting the incoming one (0.18 retires down to one, which makes a guarded getter reuse the slot of
+the reduce-scatter it just issued), and (2) order the *writer*: the stream current at the call is
+the one that will write the next wgrad into the recycled slot, so it must wait on the completion
+event of each reduce-scatter it retires. 0.18 and 0.19 drain under ``torch.cuda.stream(rs_stream)``,
+which makes only the reduce-scatter stream wait: the slot can be overwritten while its
+reduce-scatter still reads it. Here the release's own ``wait_for_previous_grad_reduce`` runs on the
+caller's stream, where each retired entry's ``event.wait()`` lands.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from .. import incidents
+from ..patching import Undo, wrap_attribute
+from ..registry import ORDERED_DRAIN
+
+DEFAULT_POOL_SIZE = 2
+
+
+def entries_to_keep(pipeline: Any, add_buckets: list[int]) -> int | None:
+    """How many queued reduce-scatters may stay in flight when ``add_buckets`` come in
+    (None: no double buffer, nothing to enforce)."""
+    buffer = pipeline.buffer
+    if not buffer.ddp_config.fsdp_double_buffer:
+        return None
+    pool_size = pool_size_of(buffer)
+    groups = buffer.parameter_groups
+    live_units = {groups[b].fsdp_unit_id for b in add_buckets
+                  if groups[b].fsdp_unit_id in buffer.double_buf_units}
+    assert len(live_units) <= pool_size, (
+        f"Double buffer limit exceeded: units {sorted(live_units)} need more than the pool's "
+        f"{pool_size} slots at once.")
+    keep_n = len(pipeline.grad_reduce_queue)
+    for _, _, bucket_id in reversed(pipeline.grad_reduce_queue):
+        live_units.add(groups[bucket_id].fsdp_unit_id)
+        if len(live_units) > pool_size:
+            keep_n -= 1
+    return keep_n
+
+
+def pool_size_of(buffer: Any) -> int:
+    """Slots in the gradient pool: the allocator's own count, else the config's, else 2."""
+    size = getattr(getattr(buffer, "main_grad_alloc", None), "size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    configured = getattr(buffer.ddp_config, "fsdp_buffer_count", None)
+    return configured if isinstance(configured, int) and configured > 0 else DEFAULT_POOL_SIZE
+
+
+def apply(buffer_module: ModuleType) -> Undo:
+    """Replace ``GradReducePipeline._enforce_double_buffer_limit`` in this copy."""
+
+    def replacement(wrapped: Any, instance: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> None:
+        if incidents.disabled(ORDERED_DRAIN.id):
+            return wrapped(*args, **kwargs)
+        try:
+            keep_n = entries_to_keep(instance, *args, **kwargs)
+        except AssertionError:
+            raise  # the pool-limit check, kept as every release has it
+        except Exception as exc:
+            incidents.report(ORDERED_DRAIN.id, "_enforce_double_buffer_limit", exc)
+            return wrapped(*args, **kwargs)
+        if keep_n is not None:
+            # Deliberately on the caller's current stream: see the module docstring.
+            instance.wait_for_previous_grad_reduce(keep_n)
+        return None
+
+    return wrap_attribute(buffer_module.GradReducePipeline, "_enforce_double_buffer_limit",
+                          replacement, ORDERED_DRAIN.id)

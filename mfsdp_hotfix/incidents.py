@@ -1,0 +1,36 @@
+"""Failures inside the hotfix: logged once, recorded for ``status()``, and the fix switched off.
+
+A bug in the hotfix must cost the user a warning, never an import or a training step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger("mfsdp_hotfix")
+
+_lock = threading.Lock()
+_failed: dict[str, str] = {}
+
+
+def report(fix_id: str, where: str, exc: BaseException) -> None:
+    """Record that ``fix_id`` failed in ``where``; the first report per fix is logged."""
+    with _lock:
+        first = fix_id not in _failed
+        if first:
+            _failed[fix_id] = f"{where}: {type(exc).__name__}: {exc}"
+    if first:
+        log.warning("mfsdp_hotfix: fix %s failed in %s and is now disabled in this process "
+                    "(%s: %s); the affected Megatron-FSDP code runs as shipped. Please report "
+                    "this with `mfsdp-hotfix status --json`.", fix_id, where,
+                    type(exc).__name__, exc, exc_info=exc)
+
+
+def disabled(fix_id: str) -> bool:
+    return fix_id in _failed
+
+
+def failures() -> dict[str, str]:
+    with _lock:
+        return dict(_failed)

@@ -1,0 +1,346 @@
+"""The one idempotent ``install()`` that every entry point reaches, and its inverse.
+
+``install()`` reads the settings once, registers wrapt post-import hooks on each copy's modules
+(a hook fires at once for a module that is already imported), and on each import classifies the
+copy and applies the fixes its era needs. Everything a hook does is caught: a refusal is one
+warning (an error in strict mode), a failure disables that fix and is recorded; the user's import
+always completes. Models built before the hotfix was loaded are found and repaired.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
+from importlib import import_module
+from types import ModuleType
+from typing import Any
+
+import wrapt
+
+from . import crossrank, detection, incidents, registry
+from . import settings as settings_module
+from .detection import Detection
+from .patching import Undo, wrap_attribute
+from .registry import Copy, Fix
+
+log = logging.getLogger("mfsdp_hotfix")
+
+
+def __version__() -> str:
+    from . import __version__ as version
+
+    return version
+
+
+class HotfixRefused(RuntimeError):
+    """Strict mode: a Megatron-FSDP copy was found that the hotfix cannot verify."""
+
+
+# Which fix module patches which of a copy's two modules.
+_FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
+               registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module")}
+_NOT_NEEDED = {registry.GETTER_GUARD.id: "the release already guards its getter (upstream "
+                                         "NVIDIA/Megatron-LM#5222)"}
+
+
+@dataclass
+class CopyRecord:
+    """One imported copy: what was detected and what happened to each fix."""
+
+    detection: Detection
+    fixes: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (state, reason)
+    undo: dict[str, Undo] = field(default_factory=dict)
+    models_repaired: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.detection.as_dict(), "imported": True,
+                "fixes": {k: {"state": s, "reason": r} for k, (s, r) in self.fixes.items()},
+                "models_repaired": self.models_repaired}
+
+
+@dataclass
+class _State:
+    settings: settings_module.Settings | None = None
+    installed: bool = False
+    loaded_via: str | None = None
+    hooks_registered: bool = False
+    records: dict[str, CopyRecord] = field(default_factory=dict)
+
+
+_lock = threading.RLock()
+_state = _State()
+
+
+def install(strict: bool | None = None, *, loaded_via: str = "api") -> bool:
+    """Patch every Megatron-FSDP copy, now and when imported later. Idempotent.
+
+    ``strict`` overrides ``MFSDP_HOTFIX=strict`` (True: refusals raise :class:`HotfixRefused`).
+    Returns whether the hotfix is active (``MFSDP_HOTFIX=0`` keeps it off).
+    """
+    with _lock:
+        if _state.settings is None:
+            _state.settings = settings_module.read(known_fixes=registry.FIX_IDS)
+            for problem in _state.settings.problems:
+                log.warning("mfsdp_hotfix: %s", problem)
+        settings = _state.settings
+        if strict is not None and settings.enabled:
+            settings = dataclasses.replace(settings, mode="strict" if strict else "on")
+            _state.settings = settings
+        if _state.loaded_via is None:
+            _state.loaded_via = loaded_via
+        if _state.installed or not settings.enabled:
+            return _state.installed
+        _state.installed = True
+        if not _state.hooks_registered:
+            _state.hooks_registered = True
+            for name in _watched_modules():
+                wrapt.register_post_import_hook(_on_import, name)
+        for name in _watched_modules():
+            if name in sys.modules:
+                _on_import(sys.modules[name])
+        return True
+
+
+def uninstall() -> bool:
+    """Restore every original we replaced that is still ours; returns whether all were."""
+    with _lock:
+        complete = True
+        for record in _state.records.values():
+            for undo in record.undo.values():
+                complete = undo() and complete
+        _state.records.clear()
+        _state.installed = False
+        return complete
+
+
+def apply_to(model: Any) -> int:
+    """Repair ``MegatronFSDP`` instances built before the hotfix was installed.
+
+    ``model`` is a ``MegatronFSDP``, megatron-core's ``FullyShardedDataParallel`` wrapper or any
+    module containing one. Returns the number of parameters whose getter was guarded.
+    """
+    install()
+    with _lock:
+        found = _model_instances(model)
+        if not found:
+            raise ValueError(f"{type(model).__qualname__} contains no Megatron-FSDP model of a "
+                             "copy the hotfix patched (see mfsdp_hotfix.status())")
+        return sum(_repair(record, instance) for record, instance in found)
+
+
+def status() -> dict[str, Any]:
+    """What was detected and applied, and why, as plain data (also ``mfsdp-hotfix status``)."""
+    with _lock:
+        settings = _state.settings or settings_module.read(known_fixes=registry.FIX_IDS)
+        copies = [record.as_dict() for record in _state.records.values()]
+        seen = {record.detection.copy.package for record in _state.records.values()}
+        for copy in registry.COPIES:
+            if copy.package not in seen:
+                copies.extend(_not_imported(copy, settings))
+        return {
+            "mfsdp_hotfix": __version__(),
+            "installed": _state.installed,
+            "loaded_via": _state.loaded_via,
+            "settings": {"mode": settings.mode, "disabled_fixes": sorted(settings.disabled_fixes),
+                         "cross_rank_check": settings.cross_rank_check,
+                         "problems": list(settings.problems)},
+            "copies": copies,
+            "failures": incidents.failures(),
+        }
+
+
+def applied_fingerprint() -> dict[str, Any]:
+    """The short description of this process's patching that ranks compare."""
+    with _lock:
+        return {"mfsdp_hotfix": __version__(), "installed": _state.installed,
+                "copies": sorted(
+                    (r.detection.copy.package, r.detection.version or "?",
+                     r.detection.era.name if r.detection.era else "refused",
+                     ",".join(sorted(k for k, (s, _) in r.fixes.items() if s == "applied")))
+                    for r in _state.records.values())}
+
+
+def _watched_modules() -> list[str]:
+    names = [copy.buffer_module for copy in registry.COPIES]
+    names += [copy.model_module for copy in registry.COPIES]
+    return names + list(registry.REFUSED_MODULES)
+
+
+def _on_import(module: ModuleType) -> None:
+    """Post-import hook: never lets anything but a strict-mode refusal escape."""
+    try:
+        with _lock:
+            if _state.installed:
+                _handle(module)
+    except HotfixRefused:
+        raise
+    except Exception as exc:
+        incidents.report("install", f"the import hook of {module.__name__}", exc)
+
+
+def _handle(module: ModuleType) -> None:
+    name = module.__name__
+    if name in registry.REFUSED_MODULES:
+        if name not in _state.records:
+            record = CopyRecord(detection.refusal(name, module))
+            _state.records[name] = record
+            _refuse(record.detection)
+        return
+    for copy in registry.COPIES:
+        if name in (copy.buffer_module, copy.model_module):
+            record = _record_for(copy)
+            if record is not None and not record.detection.refused:
+                # The model module imports the buffer module, never the other way round: when
+                # the buffer module's hook runs, the model module may be half-initialised.
+                _apply_fixes(record, copy, "buffer_module")
+                if name == copy.model_module:
+                    _apply_fixes(record, copy, "model_module")
+
+
+def _record_for(copy: Copy) -> CopyRecord | None:
+    """Detect the copy once per install, from its (already imported) buffer module."""
+    record = _state.records.get(copy.package)
+    if record is None:
+        buffer_module = sys.modules.get(copy.buffer_module)
+        if buffer_module is None:
+            return None
+        record = CopyRecord(detection.detect_module(copy, buffer_module))
+        _state.records[copy.package] = record
+        if record.detection.refused:
+            _refuse(record.detection)
+        else:
+            assert _state.settings is not None
+            for fix in registry.FIXES:
+                record.fixes[fix.id] = _initial_state(fix, record.detection, _state.settings)
+    return record
+
+
+def _initial_state(fix: Fix, found: Detection, settings: settings_module.Settings
+                   ) -> tuple[str, str]:
+    assert found.era is not None
+    if found.era.name not in fix.eras:
+        return "not needed", _NOT_NEEDED.get(fix.id, f"era {found.era.name} does not need it")
+    if fix.id in settings.disabled_fixes:
+        return "disabled", "listed in MFSDP_HOTFIX_DISABLED_FIXES"
+    module_role = _FIX_TARGET[fix.id][1]
+    return "pending", f"applied when {getattr(found.copy, module_role)} is imported"
+
+
+def _apply_fixes(record: CopyRecord, copy: Copy, module_role: str) -> None:
+    module = sys.modules[getattr(copy, module_role)]
+    for fix in registry.FIXES:
+        fix_module, role = _FIX_TARGET[fix.id]
+        if role != module_role or record.fixes[fix.id][0] != "pending":
+            continue
+        try:
+            record.undo[fix.id] = import_module(f"{__package__}.fixes.{fix_module}").apply(module)
+        except Exception as exc:
+            incidents.report(fix.id, f"installing on {copy.label}", exc)
+            record.fixes[fix.id] = ("failed", f"{type(exc).__name__}: {exc}")
+            continue
+        record.fixes[fix.id] = ("applied", fix.summary)
+        log.debug("mfsdp_hotfix: applied %s to %s %s", fix.id, copy.label,
+                  record.detection.version)
+    if module_role == "model_module" and "model-built" not in record.undo:
+        record.undo["model-built"] = wrap_attribute(module.MegatronFSDP, "__init__",
+                                                    _after_model_init, "model-built")
+        _repair_existing(record, module)
+
+
+def _after_model_init(wrapped: Any, instance: Any, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> None:
+    """Once a model exists: log the process's summary line (once) and compare ranks."""
+    wrapped(*args, **kwargs)
+    global _summary_logged
+    if not _summary_logged:
+        _summary_logged = True
+        log.info("%s", summary())
+    assert _state.settings is not None
+    crossrank.check(applied_fingerprint(), _state.settings)
+
+
+_summary_logged = False
+
+
+def summary() -> str:
+    """One line: what this process patched."""
+    with _lock:
+        parts = []
+        for record in _state.records.values():
+            found = record.detection
+            applied = [k for k, (s, _) in record.fixes.items() if s == "applied"]
+            parts.append(f"{found.copy.label} {found.version or '?'} "
+                         + (f"era {found.era.name}: {', '.join(applied) or 'nothing to apply'}"
+                            if found.era else "REFUSED"))
+        return "mfsdp_hotfix: " + ("; ".join(parts) or "no Megatron-FSDP copy imported")
+
+
+def _repair_existing(record: CopyRecord, model_module: ModuleType) -> None:
+    """Late install: guard the getters of models that were built before the hotfix."""
+    model_class = model_module.MegatronFSDP
+    built = [obj for obj in gc.get_objects() if issubclass(type(obj), model_class)]
+    if not built:
+        return
+    repaired = sum(_repair(record, instance) for instance in built)
+    log.warning("mfsdp_hotfix was loaded after %d %s model(s) had been built; %s. To be sure "
+                "every getter is guarded before TransformerEngine captures it, import "
+                "mfsdp_hotfix at the top of the training script or rely on the installed "
+                "bootstrap (see `mfsdp-hotfix status`).", len(built), record.detection.copy.label,
+                f"guarded {repaired} parameter getter(s)" if repaired else
+                "their class-level fixes apply to them already")
+
+
+def _repair(record: CopyRecord, instance: Any) -> int:
+    if record.fixes.get(registry.GETTER_GUARD.id, ("", ""))[0] != "applied":
+        return 0
+    from .fixes import getter_guard
+
+    repaired = getter_guard.link(instance)
+    record.models_repaired += 1 if repaired else 0
+    return repaired
+
+
+def _model_instances(model: Any) -> list[tuple[CopyRecord, Any]]:
+    candidates = [model, getattr(model, "module", None)]
+    modules = getattr(model, "modules", None)
+    if callable(modules):
+        candidates.extend(modules())
+    found: list[tuple[CopyRecord, Any]] = []
+    for record in _state.records.values():
+        model_module = sys.modules.get(record.detection.copy.model_module)
+        model_class = getattr(model_module, "MegatronFSDP", None)
+        if model_class is None:
+            continue
+        for candidate in candidates:
+            if isinstance(candidate, model_class) and all(c is not candidate for _, c in found):
+                found.append((record, candidate))
+    return found
+
+
+def _refuse(found: Detection) -> None:
+    message = (f"mfsdp_hotfix: NOT patching {found.copy.label} "
+               f"({found.copy.distribution} {found.version or 'version unknown'}) at "
+               f"{found.module_path}: {found.reason}. Until this is resolved, run with "
+               "fsdp_double_buffer=False to avoid the double-buffer gradient bugs.")
+    assert _state.settings is not None
+    if _state.settings.strict:
+        raise HotfixRefused(message + " (MFSDP_HOTFIX=strict)")
+    log.warning(message)
+
+
+def _not_imported(copy: Copy, settings: settings_module.Settings) -> list[dict[str, Any]]:
+    """Offline detection of a copy that is installed but not imported (no torch needed)."""
+    buffer_file = detection.find_installed(copy)
+    if buffer_file is None:
+        return []
+    found = detection.detect_file(copy, buffer_file)
+    fixes: dict[str, dict[str, str]] = {}
+    for fix in [] if found.refused else registry.FIXES:
+        state, reason = _initial_state(fix, found, settings)
+        fixes[fix.id] = {"state": "would apply" if state == "pending" else state,
+                         "reason": fix.summary if state == "pending" else reason}
+    return [{**found.as_dict(), "imported": False, "fixes": fixes, "models_repaired": 0}]

@@ -1,0 +1,64 @@
+"""Defer the real install until Megatron is imported, so that loading the hotfix stays cheap.
+
+Every Python process of an environment with the ``.pth`` bootstrap loads this package, most of
+them never touching Megatron. Importing wrapt alone costs tens of milliseconds, so the package
+import only arms a tiny ``sys.meta_path`` finder: the first time ``megatron`` or ``megatron_fsdp``
+is looked up, the finder removes itself and runs ``install()``, whose wrapt post-import hooks then
+see every Megatron-FSDP submodule load. The finder never finds anything itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing costs more to import than this whole module
+    from collections.abc import Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+
+TOP_LEVEL = ("megatron", "megatron_fsdp")
+_OFF = {"0", "off", "false", "no"}
+
+loaded_via = "import"
+
+
+class _FirstMegatronImport:
+    """A meta-path finder that only watches for the first Megatron import."""
+
+    def find_spec(self, name: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
+        if name in TOP_LEVEL and disarm():
+            from .installer import install
+
+            install(loaded_via=loaded_via)
+        return None
+
+
+_finder = _FirstMegatronImport()
+
+
+def arm(source: str) -> None:
+    """Install now if Megatron is already imported, else when it is; ``source`` labels how the
+    package was loaded (``import``, ``pth``, ``sitecustomize``) for ``status()``."""
+    global loaded_via
+    loaded_via = source
+    if os.environ.get("MFSDP_HOTFIX", "").strip().lower() in _OFF:
+        return
+    if any(name in sys.modules for name in TOP_LEVEL):
+        from .installer import install
+
+        install(loaded_via=source)
+        return
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+def disarm() -> bool:
+    """Remove the finder; True if it was armed (only one caller ever gets True)."""
+    try:
+        sys.meta_path.remove(_finder)
+    except ValueError:
+        return False
+    return True
