@@ -50,11 +50,11 @@ def check(fingerprint: dict[str, Any], settings: Settings) -> None:
     if len(by_value) == 1:
         return
     mine = json.dumps(fingerprint, sort_keys=True)
-    lines = [f"ranks {_ranges(ranks)}: " + (
-        "no report within {:g} s (mfsdp_hotfix not loaded or disabled there)".format(
-            settings.cross_rank_timeout) if not value else value + (" (this rank)"
-                                                                    if value == mine else ""))
-        for value, ranks in sorted(by_value.items(), key=lambda item: item[1])]
+    silent = f"no report within {settings.cross_rank_timeout:g} s (mfsdp_hotfix not loaded or " \
+        "disabled there)"
+    lines = [f"ranks {_ranges(ranks)}: " + (value or silent)
+             + (" (this rank)" if value == mine else "")
+             for value, ranks in sorted(by_value.items(), key=lambda item: item[1])]
     message = ("mfsdp_hotfix: ranks run differently patched Megatron-FSDP code, which can hang "
                "a collective or corrupt a step:\n  " + "\n  ".join(lines) + "\nInstall the same "
                "mfsdp-hotfix on every node and do not set MFSDP_HOTFIX=0 on some ranks only; "

@@ -35,7 +35,8 @@ def source_of(obj: Any) -> str:
     try:
         return inspect.getsource(inspect.unwrap(obj))
     except (OSError, TypeError) as exc:
-        raise SourceUnavailable(f"no source for {getattr(obj, '__qualname__', obj)!r}: {exc}")
+        raise SourceUnavailable(
+            f"no source for {getattr(obj, '__qualname__', obj)!r}: {exc}") from exc
 
 
 def nested_code(function: Any, name: str) -> types.CodeType | None:
@@ -88,4 +89,4 @@ def parse_file(path: Path) -> ParsedFile:
     try:
         return ParsedFile(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError) as exc:
-        raise SourceUnavailable(f"cannot read {path}: {exc}")
+        raise SourceUnavailable(f"cannot read {path}: {exc}") from exc

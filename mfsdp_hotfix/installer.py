@@ -186,9 +186,9 @@ def _handle(module: ModuleType) -> None:
     name = module.__name__
     if name in registry.REFUSED_MODULES:
         if name not in _state.records:
-            record = CopyRecord(detection.refusal(name, module))
-            _state.records[name] = record
-            _refuse(record.detection)
+            refused = CopyRecord(detection.refusal(name, module))
+            _state.records[name] = refused
+            _refuse(refused.detection)
         return
     for copy in registry.COPIES:
         if name in (copy.buffer_module, copy.model_module):
@@ -203,19 +203,20 @@ def _handle(module: ModuleType) -> None:
 
 def _record_for(copy: Copy) -> CopyRecord | None:
     """Detect the copy once per install, from its (already imported) buffer module."""
-    record = _state.records.get(copy.package)
-    if record is None:
-        buffer_module = sys.modules.get(copy.buffer_module)
-        if buffer_module is None:
-            return None
-        record = CopyRecord(detection.detect_module(copy, buffer_module))
-        _state.records[copy.package] = record
-        if record.detection.refused:
-            _refuse(record.detection)
-        else:
-            assert _state.settings is not None
-            for fix in registry.FIXES:
-                record.fixes[fix.id] = _initial_state(fix, record.detection, _state.settings)
+    existing = _state.records.get(copy.package)
+    if existing is not None:
+        return existing
+    buffer_module = sys.modules.get(copy.buffer_module)
+    if buffer_module is None:
+        return None
+    record = CopyRecord(detection.detect_module(copy, buffer_module))
+    _state.records[copy.package] = record
+    if record.detection.refused:
+        _refuse(record.detection)
+    else:
+        assert _state.settings is not None
+        for fix in registry.FIXES:
+            record.fixes[fix.id] = _initial_state(fix, record.detection, _state.settings)
     return record
 
 

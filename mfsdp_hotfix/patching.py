@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import wrapt
 
@@ -17,7 +17,13 @@ log = logging.getLogger("mfsdp_hotfix")
 Undo = Callable[[], bool]
 
 
-class HotfixWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
+if TYPE_CHECKING:  # wrapt 2 is generic and typed; wrapt 1 is neither
+    _FunctionWrapper = wrapt.FunctionWrapper[Any, Any]
+else:
+    _FunctionWrapper = wrapt.FunctionWrapper
+
+
+class HotfixWrapper(_FunctionWrapper):
     """A ``FunctionWrapper`` that remembers which fix installed it."""
 
     def __init__(self, wrapped: Any, wrapper: Callable[..., Any], fix_id: str) -> None:

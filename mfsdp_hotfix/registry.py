@@ -87,10 +87,12 @@ ERAS = (
     Era("A", "0.17", "0.14", "crash: 'No buffer found for bucket_id' (unguarded getter)",
         {"megatron-fsdp": ((0, 4, 0), (0, 5, 0)), "megatron-core": ((0, 17, 0), (0, 18, 0))}),
     Era("B", "0.17", "0.18",
-        "silent gradient corruption: a freed slot is rewritten while its reduce-scatter may read it",
+        "silent gradient corruption: a freed slot is rewritten while its reduce-scatter may "
+        "still read it",
         {"megatron-fsdp": ((0, 5, 0), (0, 6, 0)), "megatron-core": ((0, 18, 0), (0, 19, 0))}),
     Era("C", "0.19", "0.19",
-        "race when a reduce-scatter is slower than one unit's backward (drain orders rs_stream only)",
+        "race when a reduce-scatter is slower than one unit's backward (the drain orders only "
+        "rs_stream)",
         {"megatron-fsdp": ((0, 6, 0), (0, 7, 0)), "megatron-core": ((0, 19, 0), (0, 20, 0))}),
 )
 

@@ -28,7 +28,7 @@ from ..registry import GETTER_GUARD
 _PIPELINE = "_mfsdp_hotfix_pipeline"
 _ORIGINAL = "_mfsdp_hotfix_unguarded_getter"
 
-_linked_models: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_linked_models: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def guarded_get_main_grad(param: Any) -> Any:

@@ -57,7 +57,7 @@ def apply(buffer_module: ModuleType) -> Undo:
     """Replace ``GradReducePipeline._enforce_double_buffer_limit`` in this copy."""
 
     def replacement(wrapped: Any, instance: Any, args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> None:
+                    kwargs: dict[str, Any]) -> Any:
         if incidents.disabled(ORDERED_DRAIN.id):
             return wrapped(*args, **kwargs)
         try:

@@ -1,0 +1,161 @@
+"""``mfsdp-hotfix``: status, selftest, run and bootstrap-path.
+
+``status`` and ``bootstrap-path`` work without torch; ``selftest`` needs torch and a
+Megatron-FSDP copy; ``run`` starts a command with the sitecustomize bootstrap on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import site
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import bootstrap, settings, status
+
+# Exit codes of ``status --check``.
+CHECK_OK, CHECK_UNFIXED = 0, 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mfsdp-hotfix", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    show = commands.add_parser("status", help="what is installed, detected and (would be) fixed")
+    show.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    show.add_argument("--check", action="store_true",
+                      help=f"exit {CHECK_UNFIXED} if an affected copy would be left unfixed")
+    test = commands.add_parser("selftest", help="prove the fix on this install (CPU, 2 ranks)")
+    test.add_argument("--path", help="folder to put first on sys.path (default: as installed)")
+    test.add_argument("--flavour", choices=["auto", "standalone", "core"], default="auto")
+    test.add_argument("--json", action="store_true", help="also print the results as JSON")
+    run = commands.add_parser("run", help="run a command with the hotfix on every process",
+                              usage="mfsdp-hotfix run -- COMMAND [ARGS...]")
+    run.add_argument("cmd", nargs=argparse.REMAINDER)
+    commands.add_parser("bootstrap-path", help="print the folder to prepend to PYTHONPATH")
+    args = parser.parse_args(argv)
+    if args.command == "status":
+        return _status(args.json, args.check)
+    if args.command == "selftest":
+        return _selftest(args.path, args.flavour, args.json)
+    if args.command == "run":
+        return _run(args.cmd, parser)
+    print(bootstrap.SITECUSTOMIZE_DIR)
+    return 0
+
+
+def report() -> dict[str, Any]:
+    """``status()`` plus how a new process of this environment would load the hotfix."""
+    data = status()
+    pth = [str(Path(d) / bootstrap.PTH_FILE.name) for d in _site_dirs()
+           if (Path(d) / bootstrap.PTH_FILE.name).is_file()]
+    on_path = str(bootstrap.SITECUSTOMIZE_DIR) in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep)
+    opted_out = os.environ.get(settings.BOOTSTRAP, "").strip().lower() in {"0", "off", "false",
+                                                                           "no"}
+    data["bootstrap"] = {"pth_files": pth, "pth_active": bool(pth) and not opted_out,
+                         "sitecustomize_on_pythonpath": on_path,
+                         "variables": {name: os.environ.get(name)
+                                       for name in settings.ALL_VARIABLES}}
+    data["unfixed"] = _unfixed(data)
+    return data
+
+
+def _unfixed(data: dict[str, Any]) -> list[str]:
+    """Every affected copy that a training process here would run unfixed, and why."""
+    problems = []
+    off = data["settings"]["mode"] == "off"
+    for copy in data["copies"]:
+        name = f"{copy['copy']} {copy['version'] or '?'} at {copy['path']}"
+        if copy["refused"]:
+            problems.append(f"{name}: refused ({copy['reason']})")
+        elif off:
+            problems.append(f"{name}: era {copy['era']} but MFSDP_HOTFIX=0")
+        for fix, state in copy["fixes"].items():
+            if state["state"] in ("failed", "disabled"):
+                problems.append(f"{name}: {fix} {state['state']} ({state['reason']})")
+    return problems
+
+
+def _status(as_json: bool, check: bool) -> int:
+    data = report()
+    if as_json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        print(_format(data))
+    return CHECK_UNFIXED if check and data["unfixed"] else CHECK_OK
+
+
+def _format(data: dict[str, Any]) -> str:
+    boot = data["bootstrap"]
+    loaded = ("automatic at interpreter start (.pth)" if boot["pth_active"] else
+              "sitecustomize on PYTHONPATH" if boot["sitecustomize_on_pythonpath"] else
+              "only where a script imports mfsdp_hotfix")
+    lines = [f"mfsdp-hotfix {data['mfsdp_hotfix']}",
+             f"  switch MFSDP_HOTFIX: {data['settings']['mode']}"
+             + (f" (disabled fixes: {', '.join(data['settings']['disabled_fixes'])})"
+                if data['settings']['disabled_fixes'] else ""),
+             f"  loaded: {loaded}" + (f" [{', '.join(boot['pth_files'])}]"
+                                      if boot["pth_files"] else "")]
+    lines += [f"  warning: {p}" for p in data["settings"]["problems"]]
+    if not data["copies"]:
+        lines.append("  no Megatron-FSDP copy found on sys.path")
+    for copy in data["copies"]:
+        lines.append(f"- {copy['copy']} {copy['version'] or '(no version metadata)'}: "
+                     + (f"REFUSED: {copy['reason']}" if copy["refused"] else
+                        f"era {copy['era']}, {copy['defect']}"))
+        lines.append(f"    path: {copy['path']}")
+        shapes = ", ".join(f"{k.rsplit('.', 1)[-1]}={v or 'unknown'}"
+                           for k, v in copy["shapes"].items())
+        if shapes:
+            lines.append(f"    code shapes: {shapes}")
+        for note in copy["notes"]:
+            lines.append(f"    note: {note}")
+        for fix, state in copy["fixes"].items():
+            lines.append(f"    {fix}: {state['state']} ({state['reason']})")
+    for fix, why in data["failures"].items():
+        lines.append(f"  FAILED {fix}: {why}")
+    if data["unfixed"]:
+        lines.append("Left unfixed:")
+        lines += [f"  {p}" for p in data["unfixed"]]
+    return "\n".join(lines)
+
+
+def _selftest(path: str | None, flavour: str, as_json: bool) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("mfsdp-hotfix selftest needs torch: pip install 'mfsdp-hotfix[selftest]'",
+              file=sys.stderr)
+        return 2
+    from .selftest.selftest import run_selftest
+
+    runs = run_selftest(path=path, flavour=flavour)
+    if as_json:
+        print(json.dumps({name: result.to_dict() for name, result in runs}, default=str))
+    fixed = runs[-1][1]
+    return 0 if fixed.grads_match(0.0) and not fixed.ordering_violations else 1
+
+
+def _run(command: list[str], parser: argparse.ArgumentParser) -> int:
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        parser.error("run needs a command: mfsdp-hotfix run -- torchrun ... train.py")
+    entries = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
+    env_path = os.pathsep.join([str(bootstrap.SITECUSTOMIZE_DIR)] + entries)
+    os.environ["PYTHONPATH"] = env_path
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        print(f"mfsdp-hotfix run: cannot start {command[0]!r}: {exc}", file=sys.stderr)
+        return 127
+
+
+def _site_dirs() -> list[str]:
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return dirs
