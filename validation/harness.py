@@ -131,7 +131,8 @@ def run(a, res):
     dev = torch.device("cuda", 0)
     Unit, Model = build_classes(torch)
     torch.manual_seed(1234)
-    module = Model(a.units, a.hidden, a.ffn, bool(a.norm), bool(a.head)).to(dtype)
+    with torch.device(dev):  # initialise on the GPU: fast, and the same for every case
+        module = Model(a.units, a.hidden, a.ffn, bool(a.norm), bool(a.head)).to(dtype)
 
     DDPConfig = mfmod.DistributedDataParallelConfig
     strategy = {2: "optim_grads", 3: "optim_grads_params"}[a.zero]
