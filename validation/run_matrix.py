@@ -261,6 +261,10 @@ def _phase_cases(phase, hotfix_ok, args):
         variants = ["nodb", "db", fixv]
         for norm in (0, 1):
             cases += correctness_cases(allrel, 2, norm, 0, "fake", variants, [0, 5, 20, 50], SMALL)
+        # control: the validation-only prototype of the same rule (validation/refpatch.py)
+        if hotfix_ok:
+            for norm in (0, 1):
+                cases += correctness_cases(allrel, 2, norm, 0, "fake", ["db+ref"], [20], SMALL)
         # ZeRO-3 rows (the second defect is examined at a larger size in phase issueb)
         cases += correctness_cases(allrel, 3, 0, 0, "fake", variants, [0, 20], SMALL)
         # ZeRO-2 NCCL-semantics control: the gradient race must not depend on the work handles
