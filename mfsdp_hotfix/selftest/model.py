@@ -116,16 +116,26 @@ class Unit(torch.nn.Module):
 
 
 class Stack(torch.nn.Module):
-    """``units`` identical units in sequence; every parameter lives inside a unit."""
+    """``units`` identical units in sequence, then a parameter-free ``head``.
+
+    Every parameter lives inside a unit.  The head stands for the modules a real model has
+    after its last unit (final norm, output layer): Megatron-FSDP (at least 0.5.1) also hangs
+    its root pre-backward hook on the *last registered* module, and 0.5.1's hook on the root
+    itself did not fire here; were the last module inside the first unit to run backward, the
+    root hook would fire late and the release would re-reduce that unit's grads (seen: "Found 2
+    out of 4 parameters that are ready ... but the pipeline is being reset").
+    """
 
     def __init__(self, hidden: int, units: int, linear: str = "emulated") -> None:
         super().__init__()
         self.units = torch.nn.ModuleList(Unit(hidden, linear) for _ in range(units))
+        self.head = torch.nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for unit in self.units:
             x = unit(x)
-        return x
+        out: torch.Tensor = self.head(x)
+        return out
 
     def unit_list(self) -> list[Unit]:
         return [u for u in self.units if isinstance(u, Unit)]

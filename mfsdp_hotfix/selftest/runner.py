@@ -116,6 +116,7 @@ def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int]
     for report in present:
         if report.get("exception") and not result.exception:
             result.exception = str(report["exception"])
+            result.traceback = report.get("traceback")
     rank0 = reports[0] or {}
     result.max_abs_grad_error = rank0.get("max_abs_grad_error")
     result.max_rel_grad_error = rank0.get("max_rel_grad_error")

@@ -69,6 +69,7 @@ class CaseResult:
     spec: CaseSpec
     crashed: bool = True
     exception: str | None = None
+    traceback: str | None = None
     max_abs_grad_error: float | None = None
     max_rel_grad_error: float | None = None
     ordering_checks: int | None = None

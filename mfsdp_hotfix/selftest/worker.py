@@ -72,8 +72,10 @@ def _hotfix_status() -> Any:
         return {"status_error": repr(exc)}
 
 
-def _gather_full(grads: dict[str, Any]) -> dict[str, Any]:
+def _gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     """Full gradients from the ranks' row shards (Megatron-FSDP shards dim 0, rank order).
+
+    A rank whose shard of a parameter is empty has ``grad is None`` there.
 
     Written here rather than taken from the release: its uneven-DTensor gather uses an
     all-gather of unequal sizes, which gloo refuses.
@@ -83,19 +85,18 @@ def _gather_full(grads: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     local = {n: (g.to_local() if isinstance(g, DTensor) else g).detach().clone()
-             for n, g in grads.items()}
+             for n, g in grads.items() if g is not None}
     shards: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(shards, local)
     full = {}
-    for name, grad in grads.items():
-        if not isinstance(grad, DTensor):
-            full[name] = local[name]
-            continue
-        pieces = [s[name].reshape(-1, *grad.shape[1:]) for s in shards]
+    for name, shape in shapes.items():
+        pieces = [s[name].reshape(-1, *shape[1:]) for s in shards if name in s]
+        if not pieces:
+            raise AssertionError(f"no rank has a gradient for {name} after finish_grad_sync")
         joined = torch.cat(pieces, dim=0)
-        if tuple(joined.shape) != tuple(grad.shape):
+        if tuple(joined.shape) != tuple(shape):
             raise RuntimeError(f"harness: shards of {name} join to {tuple(joined.shape)}, "
-                               f"expected {tuple(grad.shape)}")
+                               f"expected {tuple(shape)}")
         full[name] = joined
     return full
 
@@ -183,12 +184,9 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
                 out = fsdp(inputs[it, mb, rank])
                 model_lib.loss_fn(out, targets[it, mb, rank]).backward()  # type: ignore[no-untyped-call]
             fsdp.finish_grad_sync()
-            sharded = {}
-            for name, param in fsdp.module.named_parameters():
-                if param.grad is None:
-                    raise AssertionError(f"no gradient for {name} after finish_grad_sync")
-                sharded[name] = param.grad
-            grads = _gather_full(sharded)
+            named = dict(fsdp.module.named_parameters())
+            grads = _gather_full({n: p.grad for n, p in named.items()},
+                                 {n: tuple(p.shape) for n, p in named.items()})
             if reference is not None:
                 for name, want in reference[it].items():
                     got = grads[name].reshape(want.shape)
