@@ -1,4 +1,4 @@
-"""A ``torch.cuda`` stand-in for CPU runs of the real Megatron-FSDP, with happens-before bookkeeping.
+"""A ``torch.cuda`` stand-in for CPU runs of real Megatron-FSDP, with happens-before bookkeeping.
 
 Why: on CPU every collective is synchronous, so the stream race the hotfix repairs cannot
 *happen*; it can still be *detected*.  Streams and events here do nothing to the computation,
@@ -22,7 +22,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Self
+from typing import Any
 
 _stream_ids = itertools.count(0)
 
@@ -196,7 +196,7 @@ class CpuDeviceIndex(str):
     ``f"cuda:{torch.cuda.current_device()}"``; this one value serves both.
     """
 
-    def __new__(cls) -> Self:
+    def __new__(cls) -> CpuDeviceIndex:
         return super().__new__(cls, "cpu")
 
     def __format__(self, spec: str) -> str:

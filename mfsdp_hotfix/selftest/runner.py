@@ -53,7 +53,7 @@ def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
         procs = []
         logs = []
         for rank in range(WORLD):
-            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+b")  # noqa: SIM115 - closed below
+            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+b")  # closed below
             logs.append(log)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "mfsdp_hotfix.selftest.worker", spec.to_json(),
@@ -96,7 +96,7 @@ def run_case(spec: CaseSpec, tick: Callable[[float], None] | None = None) -> Cas
     while True:
         attempts += 1
         reports, codes, tail = _attempt(spec, tick)
-        died = any(r is None and c is not None and c < 0 for r, c in zip(reports, codes))
+        died = any(r is None and c < 0 for r, c in zip(reports, codes, strict=True))
         if not died or attempts >= 2:
             break
     result = merge(spec, reports, codes, tail)

@@ -43,7 +43,8 @@ def format_table(results: list[tuple[str, CaseResult]]) -> str:
         rows.append((name, _verdict(r), "yes" if r.crashed else "no",
                      _cell(r.max_abs_grad_error, ".2e"), ordering, f"{r.wall_s:.1f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for name, r in results:
         if r.exception:

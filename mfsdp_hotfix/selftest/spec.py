@@ -64,7 +64,7 @@ class CaseSpec:
 
 @dataclass
 class CaseResult:
-    """What the two ranks reported, merged.  ``ok`` means: no crash and grads match the reference."""
+    """What the two ranks reported, merged (rank 0 compares the grads with the reference)."""
 
     spec: CaseSpec
     crashed: bool = True

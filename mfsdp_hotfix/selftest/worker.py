@@ -47,7 +47,8 @@ def resolve_flavour(flavour: str) -> str:
             return "core"
     if importlib.util.find_spec(STANDALONE) is not None:
         return "standalone"
-    raise ImportError("no Megatron-FSDP copy is importable (neither megatron_fsdp nor megatron-core)")
+    raise ImportError("no Megatron-FSDP copy is importable "
+                      "(neither megatron_fsdp nor megatron-core)")
 
 
 def _release_info(flavour: str, package: ModuleType) -> dict[str, Any]:
@@ -68,7 +69,7 @@ def _hotfix_status() -> Any:
         return None
     try:
         return json.loads(json.dumps(status(), default=repr))
-    except Exception as exc:  # noqa: BLE001 - a broken status() is reported, not fatal
+    except Exception as exc:  # a broken status() is reported, not fatal
         return {"status_error": repr(exc)}
 
 
@@ -201,7 +202,7 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
         if rank == 0:
             report["max_abs_grad_error"] = worst_abs
             report["max_rel_grad_error"] = worst_rel
-    except BaseException as exc:  # noqa: BLE001 - any failure is the case's outcome
+    except BaseException as exc:  # any failure is the case's outcome
         report["exception"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()[-4000:]
     report["ordering"] = checker.summary()
@@ -216,7 +217,7 @@ def main(argv: list[str]) -> int:
     out = Path(out_dir) / f"rank{rank}.json"
     try:
         report = run_rank(spec, int(rank), int(world), store_path)
-    except BaseException as exc:  # noqa: BLE001 - reported as a harness error
+    except BaseException as exc:  # reported as a harness error
         report = {"rank": int(rank), "crashed": True, "harness_error": True,
                   "exception": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()[-4000:]}
