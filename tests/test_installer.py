@@ -1,0 +1,212 @@
+"""Install permutations, each in a fresh interpreter against real Megatron-FSDP releases:
+import order, both copies in one process, idempotence, uninstall, the switch, strict mode, a
+failing fix, wrapt 1.x and 2.x."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import releases
+from conftest import run_python
+
+REPORT = """
+import json, sys
+from megatron_fsdp import param_and_grad_buffer as pgb, megatron_fsdp as mf
+def kind(obj):
+    return getattr(obj, "_self_mfsdp_hotfix_fix", None) or type(obj).__name__
+out = {"drain": kind(pgb.GradReducePipeline.__dict__["_enforce_double_buffer_limit"]),
+       "init": kind(mf.MegatronFSDP.__dict__["_init_fsdp_param_and_grad_buffer"]),
+       "hotfix_loaded": "mfsdp_hotfix" in sys.modules}
+if "mfsdp_hotfix" in sys.modules:
+    import mfsdp_hotfix
+    out["status"] = mfsdp_hotfix.status()
+print("REPORT" + json.dumps(out))
+"""
+
+
+def report(proc: subprocess.CompletedProcess[str]) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT"))
+    return json.loads(line[len("REPORT"):])
+
+
+def fixes(data: dict, package: str = "megatron_fsdp") -> dict[str, str]:
+    copy = next(c for c in data["status"]["copies"] if c["package"] == package)
+    return {fix: state["state"] for fix, state in copy["fixes"].items()}
+
+
+@pytest.fixture(scope="module")
+def fsdp051() -> Path:
+    return releases.unpacked("megatron-fsdp", "0.5.1")
+
+
+@pytest.mark.parametrize("order", ["hotfix first", "megatron first"])
+def test_import_order(fsdp051: Path, order: str) -> None:
+    imports = ("import mfsdp_hotfix\nimport megatron_fsdp\n" if order == "hotfix first" else
+               "import megatron_fsdp\nimport mfsdp_hotfix\n")
+    data = report(run_python(imports + REPORT, fsdp051))
+    assert data["drain"] == "ordered-drain" and data["init"] == "getter-guard"
+    assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied"}
+    assert data["status"]["loaded_via"] == "import"
+
+
+def test_era_c_keeps_its_own_getter(fsdp_release) -> None:
+    data = report(run_python("import mfsdp_hotfix\n" + REPORT, fsdp_release("0.6.1")))
+    assert data["drain"] == "ordered-drain" and data["init"] == "function"
+    assert fixes(data) == {"getter-guard": "not needed", "ordered-drain": "applied"}
+
+
+def test_both_copies_in_one_process(fsdp051: Path) -> None:
+    core = releases.unpacked("megatron-core", "0.16.1")
+    code = """
+import mfsdp_hotfix
+import megatron_fsdp.megatron_fsdp
+import megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp as vendored
+import megatron_fsdp.param_and_grad_buffer as standalone
+assert vendored.MegatronFSDP is not megatron_fsdp.megatron_fsdp.MegatronFSDP
+v = vendored.MegatronFSDP.__dict__["_init_fsdp_param_and_grad_buffer"]
+s = standalone.GradReducePipeline.__dict__["_enforce_double_buffer_limit"]
+print("REPORT" + __import__("json").dumps({"status": mfsdp_hotfix.status(),
+      "marks": [v._self_mfsdp_hotfix_fix, s._self_mfsdp_hotfix_fix]}))
+"""
+    data = report(run_python(code, fsdp051, core))
+    assert data["marks"] == ["getter-guard", "ordered-drain"]
+    eras = {c["package"]: (c["version"], c["era"]) for c in data["status"]["copies"]}
+    assert eras == {"megatron_fsdp": ("0.5.1", "B"),
+                    registry_vendored(): ("0.16.1", "A")}
+    assert fixes(data, registry_vendored()) == {"getter-guard": "applied",
+                                                 "ordered-drain": "applied"}
+
+
+def registry_vendored() -> str:
+    from mfsdp_hotfix.registry import COPIES
+
+    return COPIES[1].package
+
+
+def test_install_twice_changes_nothing_and_uninstall_restores(fsdp051: Path) -> None:
+    code = """
+import mfsdp_hotfix, megatron_fsdp.megatron_fsdp as mf, megatron_fsdp.param_and_grad_buffer as pgb
+first = pgb.GradReducePipeline.__dict__["_enforce_double_buffer_limit"]
+assert mfsdp_hotfix.install() is True
+assert pgb.GradReducePipeline.__dict__["_enforce_double_buffer_limit"] is first
+assert mfsdp_hotfix.uninstall() is True
+restored = pgb.GradReducePipeline.__dict__["_enforce_double_buffer_limit"]
+assert restored is first.__wrapped__ and type(restored).__name__ == "function"
+assert type(mf.MegatronFSDP.__dict__["_init_fsdp_param_and_grad_buffer"]).__name__ == "function"
+assert mfsdp_hotfix.status()["installed"] is False
+assert mfsdp_hotfix.install() is True
+again = pgb.GradReducePipeline.__dict__["_enforce_double_buffer_limit"]
+assert again is not first and again.__wrapped__ is restored
+print("REPORT{}")
+"""
+    report(run_python(code, fsdp051))
+
+
+def test_uninstall_leaves_a_foreign_wrapper_in_place(fsdp051: Path) -> None:
+    code = """
+import mfsdp_hotfix, megatron_fsdp.param_and_grad_buffer as pgb
+ours = pgb.GradReducePipeline.__dict__["_enforce_double_buffer_limit"]
+def theirs(self, add_buckets):
+    return ours(self, add_buckets)
+pgb.GradReducePipeline._enforce_double_buffer_limit = theirs
+assert mfsdp_hotfix.uninstall() is False
+assert pgb.GradReducePipeline.__dict__["_enforce_double_buffer_limit"] is theirs
+print("REPORT{}")
+"""
+    proc = run_python(code, fsdp051)
+    report(proc)
+    assert "wrapped again by someone else" in proc.stderr
+
+
+@pytest.mark.parametrize("value, patched", [("0", False), ("off", False), ("1", True),
+                                            ("on", True), ("", True), ("strict", True)])
+def test_switch(fsdp051: Path, value: str, patched: bool) -> None:
+    data = report(run_python("import mfsdp_hotfix\n" + REPORT, fsdp051,
+                             env={"MFSDP_HOTFIX": value}))
+    assert (data["drain"] == "ordered-drain") is patched
+
+
+def test_garbage_switch_warns_and_applies(fsdp051: Path) -> None:
+    proc = run_python("import mfsdp_hotfix\n" + REPORT, fsdp051, env={"MFSDP_HOTFIX": "maybe"})
+    assert report(proc)["drain"] == "ordered-drain"
+    assert "MFSDP_HOTFIX='maybe' is not understood" in proc.stderr
+    assert "strict" in proc.stderr and "using the default" in proc.stderr
+
+
+def test_disabled_fix_is_reported(fsdp051: Path) -> None:
+    data = report(run_python("import mfsdp_hotfix\n" + REPORT, fsdp051,
+                             env={"MFSDP_HOTFIX_DISABLED_FIXES": "getter-guard"}))
+    assert data["init"] == "function"
+    assert fixes(data) == {"getter-guard": "disabled", "ordered-drain": "applied"}
+
+
+@pytest.fixture
+def modified_release(tmp_path: Path, fsdp051: Path) -> Path:
+    import shutil
+
+    root = tmp_path / "site"
+    shutil.copytree(fsdp051, root)
+    path = root / "megatron_fsdp" / "param_and_grad_buffer.py"
+    path.write_text(path.read_text().replace("if len(double_buf_units) > 1:",
+                                             "if len(double_buf_units) > 2:", 1))
+    return root
+
+
+def test_refused_copy_warns_once_and_is_left_alone(modified_release: Path) -> None:
+    proc = run_python("import mfsdp_hotfix\n" + REPORT, modified_release)
+    data = report(proc)
+    assert data["drain"] == "function" and data["init"] == "function"
+    assert proc.stderr.count("NOT patching megatron-fsdp") == 1
+    assert "fsdp_double_buffer=False" in proc.stderr
+
+
+def test_strict_mode_turns_a_refusal_into_an_error(modified_release: Path) -> None:
+    proc = run_python("import mfsdp_hotfix\nimport megatron_fsdp", modified_release,
+                      env={"MFSDP_HOTFIX": "strict"})
+    assert proc.returncode != 0
+    assert "HotfixRefused" in proc.stderr and "MFSDP_HOTFIX=strict" in proc.stderr
+
+
+def test_a_failing_fix_never_breaks_the_import(fsdp051: Path) -> None:
+    code = """
+import mfsdp_hotfix.fixes.ordered_drain as od
+def broken(module):
+    raise RuntimeError("simulated bug in the hotfix")
+od.apply = broken
+""" + REPORT
+    proc = run_python(code, fsdp051)
+    data = report(proc)
+    assert data["drain"] == "function"
+    assert fixes(data)["ordered-drain"] == "failed"
+    assert "simulated bug" in data["status"]["failures"]["ordered-drain"]
+    assert proc.stderr.count("fix ordered-drain failed") == 1
+
+
+@pytest.fixture(scope="session")
+def wrapt1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = releases.CACHE / "wrapt1"
+    if not (target / "wrapt").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                        "--target", str(target), "wrapt>=1.14,<2"], check=True)
+    return target
+
+
+def test_wrapt_1(fsdp051: Path, wrapt1: Path) -> None:
+    code = "import wrapt\nprint('WRAPT', wrapt.__version__)\nimport mfsdp_hotfix\n" + REPORT
+    proc = run_python(code, wrapt1, fsdp051)
+    data = report(proc)
+    assert "WRAPT 1." in proc.stdout
+    assert data["drain"] == "ordered-drain" and data["init"] == "getter-guard"
+
+
+def test_import_mfsdp_hotfix_imports_neither_torch_nor_megatron() -> None:
+    proc = run_python("import sys, mfsdp_hotfix\nprint('REPORT' + __import__('json').dumps("
+                      "sorted(m for m in sys.modules if m.split('.')[0] in "
+                      "('torch', 'megatron', 'megatron_fsdp', 'wrapt'))))")
+    assert report(proc) == []
+
