@@ -1,0 +1,46 @@
+"""The environment switch: every value, and garbage in every variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from mfsdp_hotfix import registry, settings
+
+
+def read(**env: str) -> settings.Settings:
+    return settings.read(env, known_fixes=registry.FIX_IDS)
+
+
+@pytest.mark.parametrize("value, mode", [("", "on"), ("1", "on"), ("on", "on"), ("ON ", "on"),
+                                         ("0", "off"), ("off", "off"), ("strict", "strict"),
+                                         ("Strict", "strict")])
+def test_switch_values(value: str, mode: str) -> None:
+    found = read(MFSDP_HOTFIX=value)
+    assert found.mode == mode and not found.problems
+
+
+def test_unset_is_on() -> None:
+    assert read() == settings.Settings()
+
+
+def test_disabled_fixes() -> None:
+    assert read(MFSDP_HOTFIX_DISABLED_FIXES="getter-guard, ordered-drain").disabled_fixes == \
+        registry.FIX_IDS
+    assert read(MFSDP_HOTFIX_DISABLED_FIXES="*").disabled_fixes == registry.FIX_IDS
+
+
+@pytest.mark.parametrize("name, value, field, default", [
+    ("MFSDP_HOTFIX", "maybe", "mode", "on"),
+    ("MFSDP_HOTFIX_CROSS_RANK_CHECK", "loud", "cross_rank_check", "error"),
+    ("MFSDP_HOTFIX_CROSS_RANK_TIMEOUT", "soon", "cross_rank_timeout", 60.0),
+    ("MFSDP_HOTFIX_CROSS_RANK_TIMEOUT", "-5", "cross_rank_timeout", 60.0),
+    ("MFSDP_HOTFIX_DISABLED_FIXES", "getter-guard,bogus", "disabled_fixes",
+     frozenset({"getter-guard"})),
+])
+def test_garbage_gives_one_clear_problem_and_the_default(name: str, value: str, field: str,
+                                                         default: object) -> None:
+    found = read(**{name: value})
+    assert getattr(found, field) == default
+    assert len(found.problems) == 1
+    assert name in found.problems[0] and repr(value.split(",")[-1]) in found.problems[0] or \
+        "bogus" in found.problems[0]
