@@ -1,0 +1,79 @@
+"""``mfsdp-hotfix status``: the JSON schema and the ``--check`` exit codes on a patched, an
+unpatched and a refused install, without torch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import run_python
+
+# torch made unimportable: status must not need it.
+NO_TORCH = "import sys; sys.modules['torch'] = None; from mfsdp_hotfix.cli import main; " \
+           "sys.exit(main(sys.argv[1:]))"
+
+
+def status(*path: Path, env: dict[str, str] | None = None, check: bool = True
+           ) -> tuple[int, dict]:
+    args = ("-c", NO_TORCH, "status", "--json") + (("--check",) if check else ())
+    proc = run_python("", *path, env=env, args=args)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_schema_of_a_patched_install(fsdp_release) -> None:
+    code, data = status(fsdp_release("0.5.1"))
+    assert code == 0 and data["unfixed"] == []
+    assert set(data) >= {"mfsdp_hotfix", "installed", "loaded_via", "settings", "copies",
+                         "failures", "bootstrap", "unfixed"}
+    assert set(data["bootstrap"]) == {"pth_files", "pth_active", "sitecustomize_on_pythonpath",
+                                      "variables"}
+    (copy,) = data["copies"]
+    assert copy["package"] == "megatron_fsdp" and copy["version"] == "0.5.1"
+    assert copy["era"] == "B" and copy["refused"] is False and copy["imported"] is False
+    assert set(copy["fingerprints"]) == set(copy["shapes"])
+    assert {k: v["state"] for k, v in copy["fixes"].items()} == {
+        "getter-guard": "would apply", "ordered-drain": "would apply"}
+
+
+def test_switched_off_install_fails_the_check(fsdp_release) -> None:
+    code, data = status(fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"})
+    assert code == 1 and "MFSDP_HOTFIX=0" in data["unfixed"][0]
+
+
+def test_disabled_fix_fails_the_check(fsdp_release) -> None:
+    code, data = status(fsdp_release("0.4.0"),
+                        env={"MFSDP_HOTFIX_DISABLED_FIXES": "getter-guard"})
+    assert code == 1 and "getter-guard disabled" in data["unfixed"][0]
+
+
+def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
+    root = tmp_path / "site"
+    shutil.copytree(fsdp_release("0.5.1"), root)
+    path = root / "megatron_fsdp" / "param_and_grad_buffer.py"
+    path.write_text(path.read_text().replace("if len(double_buf_units) > 1:",
+                                             "if len(double_buf_units) > 2:", 1))
+    code, data = status(root)
+    assert code == 1 and data["copies"][0]["refused"] is True
+    assert "refused" in data["unfixed"][0]
+    assert status(root, check=False)[0] == 0
+
+
+def test_era_c_needs_no_getter_guard(fsdp_release) -> None:
+    code, data = status(fsdp_release("0.6.1"))
+    assert code == 0
+    assert data["copies"][0]["fixes"]["getter-guard"]["state"] == "not needed"
+
+
+@pytest.mark.parametrize("path_kind", ["none", "release"])
+def test_text_output(fsdp_release, path_kind: str) -> None:
+    path = [fsdp_release("0.4.0")] if path_kind == "release" else []
+    proc = run_python("", *path, args=("-m", "mfsdp_hotfix", "status"))
+    assert proc.returncode == 0, proc.stderr
+    if path_kind == "release":
+        assert "megatron-fsdp 0.4.0: era A" in proc.stdout
+        assert "getter-guard: would apply" in proc.stdout
+    else:
+        assert "no Megatron-FSDP copy found" in proc.stdout
