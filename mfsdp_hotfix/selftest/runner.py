@@ -120,6 +120,7 @@ def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int]
     rank0 = reports[0] or {}
     result.max_abs_grad_error = rank0.get("max_abs_grad_error")
     result.max_rel_grad_error = rank0.get("max_rel_grad_error")
+    result.grad_digest = rank0.get("grad_digest")
     orderings = [r["ordering"] for r in present if "ordering" in r]
     if orderings:
         result.ordering_checks = sum(int(o["checks"]) for o in orderings)

@@ -72,6 +72,7 @@ class CaseResult:
     traceback: str | None = None
     max_abs_grad_error: float | None = None
     max_rel_grad_error: float | None = None
+    grad_digest: str | None = None
     ordering_checks: int | None = None
     ordering_violations: int | None = None
     first_violations: list[dict[str, Any]] = field(default_factory=list)

@@ -12,6 +12,7 @@ the full gradients and compares them with a single-process reference.  It writes
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -176,6 +177,7 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
         fsdp = _wrap(fully_shard, net, model_lib.Unit, spec)
         fsdp_started = time.perf_counter()
         worst_abs, worst_rel = 0.0, 0.0
+        digest = hashlib.sha256()
         reference = _reference(spec, inputs, targets, dtype) if rank == 0 else None
         for it in range(spec.iterations):
             fsdp.zero_grad_buffer()
@@ -188,6 +190,9 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
             named = dict(fsdp.module.named_parameters())
             grads = _gather_full({n: p.grad for n, p in named.items()},
                                  {n: tuple(p.shape) for n, p in named.items()})
+            for name in sorted(grads):
+                digest.update(name.encode())
+                digest.update(grads[name].contiguous().numpy().tobytes())
             if reference is not None:
                 for name, want in reference[it].items():
                     got = grads[name].reshape(want.shape)
@@ -202,6 +207,7 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
         if rank == 0:
             report["max_abs_grad_error"] = worst_abs
             report["max_rel_grad_error"] = worst_rel
+            report["grad_digest"] = digest.hexdigest()
     except BaseException as exc:  # any failure is the case's outcome
         report["exception"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()[-4000:]
