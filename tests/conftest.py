@@ -34,3 +34,46 @@ def fsdp_release():
     import releases
 
     return lambda version: releases.unpacked("megatron-fsdp", version)
+
+
+def launch_ranks(spec_fields: dict[str, object], rank_env: list[dict[str, str]], tmp: Path,
+                 python: str = sys.executable, path: tuple[Path, ...] = (),
+                 grace: float = 10.0) -> list[dict | None]:
+    """Run the selftest worker as two gloo ranks, each with its own extra environment.
+
+    A rank that is still running ``grace`` seconds after its peer exited is killed (it is stuck
+    in a collective its peer left). Returns each rank's JSON report, or None.
+    """
+    import json
+    import time
+
+    from mfsdp_hotfix.selftest.spec import CaseSpec
+
+    spec = CaseSpec(**spec_fields).to_json()  # type: ignore[arg-type]
+    procs = []
+    for rank, extra in enumerate(rank_env):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
+        env.update({"PYTHONPATH": os.pathsep.join([str(p) for p in path] + [str(REPO)]),
+                    "PYTHONWARNINGS": "ignore", "GLOO_SOCKET_IFNAME": "lo",
+                    "OMP_NUM_THREADS": "1", **extra})
+        procs.append(subprocess.Popen(
+            [python, "-m", "mfsdp_hotfix.selftest.worker", spec, str(rank), str(len(rank_env)),
+             str(tmp / "store"), str(tmp)], env=env, stdout=subprocess.DEVNULL,
+            stderr=open(tmp / f"rank{rank}.log", "wb")))
+    first_exit = None
+    deadline = time.monotonic() + 300
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if first_exit is None and any(p.poll() is not None for p in procs):
+            first_exit = time.monotonic()
+        if first_exit is not None and time.monotonic() - first_exit > grace:
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    reports = []
+    for rank in range(len(rank_env)):
+        out = tmp / f"rank{rank}.json"
+        reports.append(json.loads(out.read_text()) if out.exists() else None)
+    return reports

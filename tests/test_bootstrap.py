@@ -121,3 +121,19 @@ def test_bootstrap_path_prints_the_sitecustomize_folder() -> None:
     proc = run_python("", args=("-m", "mfsdp_hotfix", "bootstrap-path"))
     folder = Path(proc.stdout.strip())
     assert (folder / "sitecustomize.py").is_file()
+
+
+@pytest.mark.slow
+def test_two_ranks_get_the_fix_from_the_pth(venv_python: str, fsdp_release,
+                                            tmp_path: Path) -> None:
+    """Both gloo ranks of an era-A release (which crashes as shipped) are fixed, and the hotfix
+    was loaded by the ``.pth`` before anything imported it (the harness worker itself imports
+    the package later, for its torch.cuda stand-in)."""
+    from conftest import launch_ranks
+
+    reports = launch_ranks({"flavour": "standalone", "timeout_s": 120.0}, [{}, {}], tmp_path,
+                           python=venv_python, path=(fsdp_release("0.4.0"),))
+    for report in reports:
+        assert report is not None and not report["crashed"], report
+        assert report["hotfix_status"]["loaded_via"] == "pth"
+    assert reports[0]["max_abs_grad_error"] == 0.0

@@ -1,0 +1,56 @@
+"""Era A (unguarded getter, threshold ``> 2``): shipped code crashes; the import fixes it.
+
+megatron-fsdp 0.2.3, 0.3.1, 0.4.0 and megatron-core 0.16.1's vendored copy (with megatron-core's
+own fused linear), 0.17.1 too.  megatron-fsdp 0.1.0 cannot run on torch 2.13 at all (see
+``test_fsdp_010_is_blocked_on_torch_213``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from realcases import (
+    assert_matches_reference,
+    assert_no_buffer_crash,
+    case,
+    describe,
+    repaired,
+)
+
+pytestmark = pytest.mark.slow
+
+ERA_A = [
+    pytest.param("megatron-fsdp", "0.2.3", "emulated", id="fsdp-0.2.3"),
+    pytest.param("megatron-fsdp", "0.3.1", "emulated", id="fsdp-0.3.1"),
+    pytest.param("megatron-fsdp", "0.4.0", "emulated", id="fsdp-0.4.0"),
+    pytest.param("megatron-core", "0.16.1", "mcore", id="core-0.16.1-mcore-linear"),
+    pytest.param("megatron-core", "0.17.1", "emulated", id="core-0.17.1"),
+]
+
+
+@pytest.mark.parametrize(("dist", "version", "linear"), ERA_A)
+def test_unpatched_crashes(dist: str, version: str, linear: str) -> None:
+    assert_no_buffer_crash(case(dist, version, hotfix="off", linear=linear))
+
+
+@pytest.mark.parametrize(("dist", "version", "linear"), ERA_A)
+def test_import_alone_repairs_and_grads_equal_reference(dist: str, version: str,
+                                                         linear: str) -> None:
+    result = case(dist, version, hotfix="on", linear=linear)
+    assert repaired(result, "getter-guard"), describe(result)
+    assert_matches_reference(result)
+    assert result.ordering_checks, describe(result)  # the checker saw slot reuse ...
+    assert result.ordering_violations == 0, describe(result)  # ... and all of it ordered
+
+
+def test_zero2_optim_grads_too() -> None:
+    assert_no_buffer_crash(case("megatron-fsdp", "0.4.0", hotfix="off", strategy="optim_grads"))
+    result = case("megatron-fsdp", "0.4.0", hotfix="on", strategy="optim_grads")
+    assert_matches_reference(result)
+    assert result.ordering_violations == 0, describe(result)
+
+
+def test_fsdp_010_is_blocked_on_torch_213() -> None:
+    """Not a hotfix matter: 0.1.0 uses ``_mesh_resources.child_to_root_mapping``, gone in 2.13."""
+    result = case("megatron-fsdp", "0.1.0", hotfix="off")
+    assert result.crashed
+    assert "child_to_root_mapping" in (result.exception or ""), describe(result)
