@@ -138,6 +138,7 @@ class Runner:
         env["PYTHONPATH"] = os.pathsep.join([REPO, self.rel_paths[c["release"]]])
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("OMP_NUM_THREADS", "4")
         # the fake group's FakeStore implements no set/get: the hotfix's cross-rank check (a
         # store round-trip between real ranks) cannot run in a one-process fake world of 2
         env["MFSDP_HOTFIX_CROSS_RANK_CHECK"] = "off"
@@ -280,13 +281,29 @@ def _phase_cases(phase, hotfix_ok, args):
                 c["env"] = {"MFSDP_HOTFIX": "0"}
                 cases.append(c)
         return cases
+    if phase == "matrix2":
+        # what the first matrix call's budget cut, minus the small ZeRO-3 rows (issueb covers
+        # ZeRO-3 at the size where its second defect shows) and the refpatch controls
+        cases = correctness_cases(["core-0.19.2"], 2, 1, 0, "fake", ["nodb", "db", fixv],
+                                  [0, 5, 20, 50], SMALL)
+        cases += correctness_cases(["fsdp-0.5.1", "fsdp-0.6.1"], 2, 0, 0, "nccl_sem",
+                                   ["db", fixv], [20], SMALL)
+        if hotfix_ok:
+            c = correctness_cases(["fsdp-0.5.1"], 2, 0, 0, "fake", ["db"], [20], SMALL)
+            cases.append(c[0])
+            c = json.loads(json.dumps(c[1]))
+            c["label"] = c["label"].replace("|db|", "|db+hotfix(MFSDP_HOTFIX=0)|")
+            c["harness"]["fix"] = "hotfix"
+            c["env"] = {"MFSDP_HOTFIX": "0"}
+            cases.append(c)
+        return cases
     if phase == "perf":
         fixv_h = fixv
         dly = args.perf_delay_ms
         order = []
         plan = [("fsdp-0.6.1", ["db", fixv_h, "nodb"], [0, dly]),
-                ("core-0.19.2", ["db", fixv_h, "nodb"], [0, dly]),
-                ("fsdp-0.5.1", [fixv_h, "nodb"], [0])]
+                ("core-0.19.2", ["db", fixv_h], [0]),
+                ("fsdp-0.5.1", [fixv_h], [0])]
         for rep in range(args.perf_reps):
             for rel, vs, ds in plan:
                 for d in ds:
@@ -328,6 +345,7 @@ def main():
     ap.add_argument("--wheels", default=os.path.join(HERE, "wheels"))
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--budget-s", type=float, default=520)
+    ap.add_argument("--budgets", default="", help="per-phase budgets in s, comma list")
     ap.add_argument("--case-timeout", type=float, default=240)
     ap.add_argument("--perf-delay-ms", type=float, default=2.0)
     ap.add_argument("--perf-reps", type=int, default=2)
@@ -355,6 +373,9 @@ def main():
         if args.releases:
             keep = set(args.releases.split(","))
             cases = [c for c in cases if c["release"] in keep]
+        if args.budgets:
+            b = [float(x) for x in args.budgets.split(",")]
+            runner.deadline = time.time() + b[args.phase.index(phase)]
         if phase == "perf":
             runner.workers = 1
         print(f"== phase {phase}: {len(cases)} cases, workers={runner.workers}", flush=True)
