@@ -101,7 +101,7 @@ def install(strict: bool | None = None, *, loaded_via: str = "api") -> bool:
                 wrapt.register_post_import_hook(_on_import, name)
         for name in _watched_modules():
             if name in sys.modules:
-                _on_import(sys.modules[name])
+                _on_import(sys.modules[name], late=True)
         return True
 
 
@@ -123,7 +123,9 @@ def apply_to(model: Any) -> int:
     ``model`` is a ``MegatronFSDP``, megatron-core's ``FullyShardedDataParallel`` wrapper or any
     module containing one. Returns the number of parameters whose getter was guarded.
     """
-    install()
+    if not install():
+        raise RuntimeError("mfsdp_hotfix is switched off in this process (MFSDP_HOTFIX=0); "
+                           "nothing was repaired")
     with _lock:
         found = _model_instances(model)
         if not found:
@@ -170,19 +172,20 @@ def _watched_modules() -> list[str]:
     return names + list(registry.REFUSED_MODULES)
 
 
-def _on_import(module: ModuleType) -> None:
-    """Post-import hook: never lets anything but a strict-mode refusal escape."""
+def _on_import(module: ModuleType, late: bool = False) -> None:
+    """Post-import hook (``late``: the module was imported before ``install()``); never lets
+    anything but a strict-mode refusal escape."""
     try:
         with _lock:
             if _state.installed:
-                _handle(module)
+                _handle(module, late)
     except HotfixRefused:
         raise
     except Exception as exc:
         incidents.report("install", f"the import hook of {module.__name__}", exc)
 
 
-def _handle(module: ModuleType) -> None:
+def _handle(module: ModuleType, late: bool) -> None:
     name = module.__name__
     if name in registry.REFUSED_MODULES:
         if name not in _state.records:
@@ -199,6 +202,8 @@ def _handle(module: ModuleType) -> None:
                 _apply_fixes(record, copy, "buffer_module")
                 if name == copy.model_module:
                     _apply_fixes(record, copy, "model_module")
+                    if late:
+                        _repair_existing(record, module)
 
 
 def _record_for(copy: Copy) -> CopyRecord | None:
@@ -249,7 +254,6 @@ def _apply_fixes(record: CopyRecord, copy: Copy, module_role: str) -> None:
     if module_role == "model_module" and "model-built" not in record.undo:
         record.undo["model-built"] = wrap_attribute(module.MegatronFSDP, "__init__",
                                                     _after_model_init, "model-built")
-        _repair_existing(record, module)
 
 
 def _after_model_init(wrapped: Any, instance: Any, args: tuple[Any, ...],

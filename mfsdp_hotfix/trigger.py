@@ -3,8 +3,10 @@
 Every Python process of an environment with the ``.pth`` bootstrap loads this package, most of
 them never touching Megatron. Importing wrapt alone costs tens of milliseconds, so the package
 import only arms a tiny ``sys.meta_path`` finder: the first time ``megatron`` or ``megatron_fsdp``
-is looked up, the finder removes itself and runs ``install()``, whose wrapt post-import hooks then
-see every Megatron-FSDP submodule load. The finder never finds anything itself.
+is looked up, the finder disarms itself and runs ``install()``, whose wrapt post-import hooks then
+see every Megatron-FSDP submodule load. The finder never finds anything itself, and it stays in
+``sys.meta_path`` once disarmed (inert): removing it while the import system iterates that list
+could make the import skip the next finder.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ loaded_via = "import"
 class _FirstMegatronImport:
     """A meta-path finder that only watches for the first Megatron import."""
 
+    armed = False
+
     def find_spec(self, name: str, path: Sequence[str] | None = None,
                   target: ModuleType | None = None) -> ModuleSpec | None:
-        if name in TOP_LEVEL and disarm():
+        if self.armed and name in TOP_LEVEL and disarm():
             from .installer import install
 
             install(loaded_via=loaded_via)
@@ -51,14 +55,12 @@ def arm(source: str) -> None:
 
         install(loaded_via=source)
         return
+    _finder.armed = True
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
 
 
 def disarm() -> bool:
-    """Remove the finder; True if it was armed (only one caller ever gets True)."""
-    try:
-        sys.meta_path.remove(_finder)
-    except ValueError:
-        return False
-    return True
+    """Disarm the finder; True if it was armed."""
+    was_armed, _finder.armed = _finder.armed, False
+    return was_armed
