@@ -33,7 +33,8 @@ def test_ranks_with_different_fixes_both_fail(tmp_path: Path, fsdp_release) -> N
     from conftest import launch_ranks
 
     reports = launch_ranks(SPEC,
-                           [{}, {"MFSDP_HOTFIX_DISABLED_FIXES": "ordered-drain"}], tmp_path, path=(fsdp_release("0.6.1"),))
+                           [{}, {"MFSDP_HOTFIX_DISABLED_FIXES": "ordered-drain"}], tmp_path,
+                           path=(fsdp_release("0.6.1"),))
     for rank, report in enumerate(reports):
         assert report is not None and report["crashed"], rank_log(tmp_path, rank)
         assert report["exception"].startswith("RankMismatch")
