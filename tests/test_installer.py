@@ -210,3 +210,34 @@ def test_import_mfsdp_hotfix_imports_neither_torch_nor_megatron() -> None:
                       "('torch', 'megatron', 'megatron_fsdp', 'wrapt'))))")
     assert report(proc) == []
 
+
+
+def test_bytecode_only_install_is_refused(tmp_path: Path, fsdp051: Path) -> None:
+    import compileall
+    import shutil
+
+    root = tmp_path / "site"
+    shutil.copytree(fsdp051, root)
+    assert compileall.compile_dir(root / "megatron_fsdp", legacy=True, quiet=1)
+    for source in (root / "megatron_fsdp").glob("*.py"):
+        source.unlink()
+    proc = run_python("import mfsdp_hotfix\n" + REPORT, root)
+    data = report(proc)
+    assert data["drain"] == "function"
+    assert "cannot read the code to verify its shape" in proc.stderr
+    assert "NOT patching megatron-fsdp (megatron-fsdp 0.5.1)" in proc.stderr
+
+
+def test_garbage_in_every_variable_at_once(fsdp051: Path) -> None:
+    env = {"MFSDP_HOTFIX": "yes please", "MFSDP_HOTFIX_DISABLED_FIXES": ",,nonsense,",
+           "MFSDP_HOTFIX_CROSS_RANK_CHECK": "sometimes", "MFSDP_HOTFIX_CROSS_RANK_TIMEOUT": "1e99",
+           "MFSDP_HOTFIX_BOOTSTRAP": "\u00e9"}
+    proc = run_python("import mfsdp_hotfix\n" + REPORT, fsdp051, env=env)
+    data = report(proc)
+    assert data["drain"] == "ordered-drain" and data["init"] == "getter-guard"
+    for name in ("MFSDP_HOTFIX=", "MFSDP_HOTFIX_DISABLED_FIXES", "MFSDP_HOTFIX_CROSS_RANK_CHECK",
+                 "MFSDP_HOTFIX_CROSS_RANK_TIMEOUT"):
+        assert proc.stderr.count(name) == 1, name
+    settings = data["status"]["settings"]
+    assert settings["mode"] == "on" and settings["cross_rank_check"] == "error"
+    assert settings["disabled_fixes"] == []
