@@ -121,6 +121,7 @@ def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int]
     result.max_abs_grad_error = rank0.get("max_abs_grad_error")
     result.max_rel_grad_error = rank0.get("max_rel_grad_error")
     result.grad_digest = rank0.get("grad_digest")
+    result.worst_grads = dict(rank0.get("worst_grads") or {})
     orderings = [r["ordering"] for r in present if "ordering" in r]
     if orderings:
         result.ordering_checks = sum(int(o["checks"]) for o in orderings)

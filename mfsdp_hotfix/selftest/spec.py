@@ -73,6 +73,7 @@ class CaseResult:
     max_abs_grad_error: float | None = None
     max_rel_grad_error: float | None = None
     grad_digest: str | None = None
+    worst_grads: dict[str, float] = field(default_factory=dict)
     ordering_checks: int | None = None
     ordering_violations: int | None = None
     first_violations: list[dict[str, Any]] = field(default_factory=list)

@@ -178,6 +178,7 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
         fsdp_started = time.perf_counter()
         worst_abs, worst_rel = 0.0, 0.0
         digest = hashlib.sha256()
+        per_param: dict[str, float] = {}
         reference = _reference(spec, inputs, targets, dtype) if rank == 0 else None
         for it in range(spec.iterations):
             fsdp.zero_grad_buffer()
@@ -202,12 +203,16 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
                     scale = want.abs().max().item() or 1.0
                     worst_abs = max(worst_abs, diff)
                     worst_rel = max(worst_rel, diff / scale)
+                    if diff > 0:
+                        per_param[f"{name}@{it}"] = diff
         report["fsdp_s"] = time.perf_counter() - fsdp_started
         report["crashed"] = False
         if rank == 0:
             report["max_abs_grad_error"] = worst_abs
             report["max_rel_grad_error"] = worst_rel
             report["grad_digest"] = digest.hexdigest()
+            worst = sorted(per_param.items(), key=lambda kv: -kv[1])[:8]
+            report["worst_grads"] = dict(worst)
     except BaseException as exc:  # any failure is the case's outcome
         report["exception"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()[-4000:]
