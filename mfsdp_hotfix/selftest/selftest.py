@@ -54,16 +54,19 @@ def format_table(results: list[tuple[str, CaseResult]]) -> str:
 
 def run_selftest(path: str | None = None, flavour: str = "auto",
                  out: TextIO | None = None, progress: bool = True,
-                 spec: CaseSpec | None = None) -> list[tuple[str, CaseResult]]:
+                 spec: CaseSpec | None = None,
+                 runner: Callable[..., CaseResult] = run_case) -> list[tuple[str, CaseResult]]:
     """Run the selftest case without and with the hotfix; print progress and a table.
 
     ``path``: a folder to put first on the workers' ``sys.path`` (for example an unpacked
     release); default: whatever Megatron-FSDP copy is importable here.  ``flavour``: "auto",
-    "standalone" (``megatron_fsdp``) or "core" (megatron-core's vendored copy).
+    "standalone" (``megatron_fsdp``) or "core" (megatron-core's vendored copy).  ``spec``: the
+    case (model size, strategy, ...), default :class:`CaseSpec`'s.  ``runner``: how a case is
+    run (tests pass a caching one).
     Returns ``[("without hotfix", result), ("with hotfix", result)]``.
     """
     stream = out if out is not None else sys.stdout
-    base = spec if spec is not None else CaseSpec()
+    base = CaseSpec(**(spec if spec is not None else CaseSpec()).__dict__)
     base.path, base.flavour = path if path is not None else base.path, flavour
     runs: list[tuple[str, CaseResult]] = []
     for name, mode in (("without hotfix", "off"), ("with hotfix", "on")):
@@ -72,7 +75,7 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
         if progress:
             stream.write(f"selftest: running {name} ({case.label()}) ...\n")
             stream.flush()
-        result = run_case(case, tick)
+        result = runner(case, tick)
         runs.append((name, result))
         if progress:
             stream.write(f"selftest: {name}: {_verdict(result)} in {result.wall_s:.1f}s\n")

@@ -15,6 +15,7 @@ from realcases import (
     assert_no_buffer_crash,
     case,
     describe,
+    extended,
     repaired,
 )
 
@@ -24,7 +25,7 @@ ERA_A = [
     pytest.param("megatron-fsdp", "0.3.1", "emulated", id="fsdp-0.3.1"),
     pytest.param("megatron-fsdp", "0.4.0", "emulated", id="fsdp-0.4.0"),
     pytest.param("megatron-core", "0.16.1", "mcore", id="core-0.16.1-mcore-linear"),
-    pytest.param("megatron-core", "0.17.1", "emulated", id="core-0.17.1"),
+    extended("megatron-core", "0.17.1", "emulated", id="core-0.17.1"),
 ]
 
 

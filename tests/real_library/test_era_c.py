@@ -8,13 +8,13 @@ shipped code) and reports nothing once the hotfix is loaded.
 from __future__ import annotations
 
 import pytest
-from realcases import assert_matches_reference, case, describe
+from realcases import assert_matches_reference, case, describe, extended
 
 pytestmark = pytest.mark.slow
 
 ERA_C = [
     pytest.param("megatron-fsdp", "0.6.1", id="fsdp-0.6.1"),
-    pytest.param("megatron-core", "0.19.2", id="core-0.19.2"),
+    extended("megatron-core", "0.19.2", id="core-0.19.2"),
 ]
 
 
