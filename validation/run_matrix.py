@@ -297,6 +297,32 @@ def _phase_cases(phase, hotfix_ok, args):
             c["env"] = {"MFSDP_HOTFIX": "0"}
             cases.append(c)
         return cases
+    if phase == "issueb2":
+        # the reported ZeRO-3 condition at 16k tokens, one case at a time (no other process on
+        # the GPU), plain fake group vs NCCL work semantics
+        big16 = dict(BIG_B, tokens=16384, steps=3)
+        cases = []
+        for rel in ("fsdp-0.5.1", "fsdp-0.6.1"):
+            cases += correctness_cases([rel], 3, 0, 0, "fake", ["db"], [0], big16, tag="|16k")
+            cases += correctness_cases([rel], 3, 0, 0, "nccl_sem", ["db"], [0], big16, tag="|16k")
+        for c in cases:
+            c["harness"]["trace_slots"] = True
+            if c.get("is_truth"):
+                c["harness"]["save_grads"] = c["harness"]["save_grads"].replace(".pt", "_16k.pt")
+                c["label"] += "|16k"
+            else:
+                c["harness"]["truth"] = c["harness"]["truth"].replace(".pt", "_16k.pt")
+        return cases
+    if phase == "perf2":
+        out = []
+        for rel, v in (("core-0.19.2", fixv), ("fsdp-0.5.1", fixv), ("core-0.19.2", "nodb"),
+                       ("fsdp-0.5.1", "db"), ("fsdp-0.5.1", "nodb")):
+            db, fix = VARIANTS[v]
+            out.append(dict(label=f"{rel}|z2|perf|{v}|d0|rep1", release=rel, variant=v, zero=2,
+                            pg="fake", delay_ms=0, perf=True, rep=1,
+                            harness=dict(LARGE, zero=2, db=db, fix=fix, delay_ms=0,
+                                         no_grads=True)))
+        return out
     if phase == "perf":
         fixv_h = fixv
         dly = args.perf_delay_ms
@@ -376,7 +402,7 @@ def main():
         if args.budgets:
             b = [float(x) for x in args.budgets.split(",")]
             runner.deadline = time.time() + b[args.phase.index(phase)]
-        if phase == "perf":
+        if phase in ("perf", "perf2", "issueb2"):
             runner.workers = 1
         print(f"== phase {phase}: {len(cases)} cases, workers={runner.workers}", flush=True)
         tp = time.time()
