@@ -20,6 +20,15 @@ from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
 GRAD_TOLERANCE = 1e-5
 
 
+_MEANING = {
+    "CRASH": "the run raised (for the double-buffer defect: 'No buffer found for bucket_id')",
+    "WRONG GRADS": "gradients differ from a plain single-process PyTorch run of the same model",
+    "UNORDERED": "a gradient buffer slot was reused by a stream that had not waited for the "
+                 "reduce-scatter still reading it: harmless on CPU, silent corruption on GPU",
+    "ok": "no crash, gradients equal the reference, every buffer reuse was ordered",
+}
+
+
 def _verdict(result: CaseResult) -> str:
     if result.crashed:
         return "CRASH"
@@ -49,6 +58,8 @@ def format_table(results: list[tuple[str, CaseResult]]) -> str:
     for name, r in results:
         if r.exception:
             lines.append(f"{name}: {r.exception.splitlines()[0][:200]}")
+    for verdict in dict.fromkeys(_verdict(r) for _, r in results):
+        lines.append(f"{verdict}: {_MEANING[verdict]}")
     return "\n".join(lines)
 
 
@@ -94,7 +105,7 @@ def _ticker(stream: TextIO, name: str) -> Callable[[float], None]:
 
     def tick(elapsed: float) -> None:
         now = time.monotonic()
-        if now - last[0] >= 5.0:
+        if now - last[0] >= 10.0:
             last[0] = now
             stream.write(f"selftest:   {name}: still running, {elapsed:.0f}s elapsed\n")
             stream.flush()

@@ -1,0 +1,31 @@
+"""The before/after table of ``mfsdp-hotfix selftest`` (fabricated results, no subprocess)."""
+
+from __future__ import annotations
+
+from mfsdp_hotfix.selftest import CaseResult, CaseSpec, format_table
+
+
+def _result(**fields: object) -> CaseResult:
+    return CaseResult(spec=CaseSpec(), **fields)  # type: ignore[arg-type]
+
+
+def test_verdicts_and_legend() -> None:
+    runs = [
+        ("without hotfix", _result(crashed=True, exception="AssertionError: No buffer found\nx",
+                                   ordering_checks=0, ordering_violations=0, wall_s=3.21)),
+        ("unordered", _result(crashed=False, max_abs_grad_error=0.0, ordering_checks=36,
+                              ordering_violations=24, wall_s=4.0)),
+        ("wrong", _result(crashed=False, max_abs_grad_error=0.5, ordering_checks=1,
+                          ordering_violations=0, wall_s=4.0)),
+        ("with hotfix", _result(crashed=False, max_abs_grad_error=0.0, ordering_checks=36,
+                                ordering_violations=0, wall_s=4.0)),
+    ]
+    lines = format_table(runs).splitlines()
+    assert lines[0].split()[:2] == ["run", "result"]
+    assert lines[2].split() == ["without", "hotfix", "CRASH", "yes", "-", "0/0", "3.2"]
+    assert lines[3].split() == ["unordered", "UNORDERED", "no", "0.00e+00", "24/36", "4.0"]
+    assert lines[4].split()[:2] == ["wrong", "WRONG"]
+    assert lines[5].split()[:3] == ["with", "hotfix", "ok"]
+    assert "without hotfix: AssertionError: No buffer found" in lines
+    for verdict in ("CRASH:", "UNORDERED:", "WRONG GRADS:", "ok:"):
+        assert any(line.startswith(verdict) for line in lines), verdict
