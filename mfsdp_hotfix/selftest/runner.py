@@ -46,7 +46,7 @@ def worker_env(spec: CaseSpec) -> dict[str, str]:
 
 
 def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
-        list[dict[str, Any] | None], list[int], str]:
+        list[dict[str, Any] | None], list[int], list[bool], str]:
     with tempfile.TemporaryDirectory(prefix="mfsdp-selftest-") as tmp:
         store = os.path.join(tmp, "store")
         env = worker_env(spec)
@@ -61,6 +61,7 @@ def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         started = time.monotonic()
         first_exit: float | None = None
+        killed = [False] * WORLD
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
             if first_exit is None and any(p.poll() is not None for p in procs):
@@ -68,9 +69,10 @@ def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
             over_time = now - started > spec.timeout_s
             peer_gone = first_exit is not None and now - first_exit > 20.0
             if over_time or peer_gone:  # a rank left; its peer may wait in a collective forever
-                for p in procs:
+                for rank, p in enumerate(procs):
                     if p.poll() is None:
                         p.kill()
+                        killed[rank] = True
                 break
             if tick is not None:
                 tick(now - started)
@@ -85,8 +87,9 @@ def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
             log.seek(0)
             text = log.read().decode(errors="replace")
             log.close()
-            tail += f"--- rank {rank} (exit {codes[rank]}) ---\n{text[-3000:]}\n"
-        return reports, codes, tail
+            why = " (killed by the harness: peer gone or over time)" if killed[rank] else ""
+            tail += f"--- rank {rank} (exit {codes[rank]}{why}) ---\n{text[-3000:]}\n"
+        return reports, codes, killed, tail
 
 
 def run_case(spec: CaseSpec, tick: Callable[[float], None] | None = None) -> CaseResult:
@@ -95,8 +98,10 @@ def run_case(spec: CaseSpec, tick: Callable[[float], None] | None = None) -> Cas
     attempts = 0
     while True:
         attempts += 1
-        reports, codes, tail = _attempt(spec, tick)
-        died = any(r is None and c < 0 for r, c in zip(reports, codes, strict=True))
+        reports, codes, killed, tail = _attempt(spec, tick)
+        # A signal we did not send (SIGSEGV, SIGABRT from malloc) before the rank reported.
+        died = any(r is None and c < 0 and not k
+                   for r, c, k in zip(reports, codes, killed, strict=True))
         if not died or attempts >= 2:
             break
     result = merge(spec, reports, codes, tail)
@@ -109,14 +114,14 @@ def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int]
           tail: str) -> CaseResult:
     result = CaseResult(spec=spec, returncodes=list(codes), log_tail=tail[-6000:])
     present = [r for r in reports if r is not None]
-    if len(present) < len(reports):
-        missing = [i for i, r in enumerate(reports) if r is None]
-        result.exception = f"rank(s) {missing} reported nothing (exit codes {codes})"
     result.crashed = len(present) < len(reports) or any(r.get("crashed", True) for r in present)
     for report in present:
         if report.get("exception") and not result.exception:
             result.exception = str(report["exception"])
             result.traceback = report.get("traceback")
+    if len(present) < len(reports) and not result.exception:
+        missing = [i for i, r in enumerate(reports) if r is None]
+        result.exception = f"rank(s) {missing} reported nothing (exit codes {codes})"
     rank0 = reports[0] or {}
     result.max_abs_grad_error = rank0.get("max_abs_grad_error")
     result.max_rel_grad_error = rank0.get("max_rel_grad_error")
