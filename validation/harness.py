@@ -52,6 +52,9 @@ def parse(argv=None):
     p.add_argument("--save-grads", default="")
     p.add_argument("--truth", default="")
     p.add_argument("--no-grads", action="store_true", help="perf runs: do not read grads back")
+    p.add_argument("--defer-readback", action="store_true",
+                   help="keep each step's grads on the GPU and copy them to the host only after "
+                        "the last step (no host synchronisation between steps)")
     p.add_argument("--trace-slots", action="store_true")
     p.add_argument("--out", required=True)
     p.add_argument("--label", default="")
@@ -184,6 +187,9 @@ def run(a, res):
         if not a.no_grads:
             g = torch.cat([grp.main_grad_buffer.data.detach().float().reshape(-1)
                            for grp in pgb.parameter_groups if grp.main_grad_buffer is not None])
+            if a.defer_readback:
+                saved.append(g.clone())
+                continue
             g = g.cpu()
             if a.save_grads:
                 saved.append(g)
@@ -202,6 +208,22 @@ def run(a, res):
             if not torch.isfinite(g).all():
                 res["nonfinite_grads_step"] = step
     torch.cuda.synchronize()
+    if a.defer_readback and not a.no_grads:
+        gpu_grads, saved = saved, []
+        for step, g in enumerate(gpu_grads):
+            g = g.cpu()
+            if a.save_grads:
+                saved.append(g)
+            if truth is not None:
+                t = truth[step]
+                d = (g - t)
+                m = d.abs().max().item()
+                if m != 0.0 and first_bad_step is None:
+                    first_bad_step = step
+                err_max = max(err_max, m)
+                diff_sq += float(d.double().square().sum())
+                ref_sq += float(t.double().square().sum())
+                steps_compared += 1
     res["steps_done"] = total
     res["peak_mem_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     res["peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)

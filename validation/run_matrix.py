@@ -313,6 +313,20 @@ def _phase_cases(phase, hotfix_ok, args):
             else:
                 c["harness"]["truth"] = c["harness"]["truth"].replace(".pt", "_16k.pt")
         return cases
+    if phase == "issueb3":
+        # as issueb2 but no host synchronisation between steps (grads read back at the end)
+        big16 = dict(BIG_B, tokens=16384, steps=3, defer_readback=True)
+        cases = correctness_cases(["fsdp-0.5.1"], 3, 0, 0, "fake", ["db"], [0], big16, tag="|16k-async")
+        cases += correctness_cases(["fsdp-0.5.1"], 3, 0, 0, "nccl_sem", ["db"], [0], big16,
+                                   tag="|16k-async")
+        cases += correctness_cases(["fsdp-0.6.1"], 3, 0, 0, "fake", ["db"], [0], big16, tag="|16k-async")
+        for c in cases:
+            if c.get("is_truth"):
+                c["harness"]["save_grads"] = c["harness"]["save_grads"].replace(".pt", "_16k.pt")
+                c["label"] += "|16k"
+            else:
+                c["harness"]["truth"] = c["harness"]["truth"].replace(".pt", "_16k.pt")
+        return cases
     if phase == "perf2":
         out = []
         for rel, v in (("core-0.19.2", fixv), ("fsdp-0.5.1", fixv), ("core-0.19.2", "nodb"),
@@ -402,7 +416,7 @@ def main():
         if args.budgets:
             b = [float(x) for x in args.budgets.split(",")]
             runner.deadline = time.time() + b[args.phase.index(phase)]
-        if phase in ("perf", "perf2", "issueb2"):
+        if phase in ("perf", "perf2", "issueb2", "issueb3"):
             runner.workers = 1
         print(f"== phase {phase}: {len(cases)} cases, workers={runner.workers}", flush=True)
         tp = time.time()
