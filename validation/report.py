@@ -35,6 +35,10 @@ def load(folder):
     return cases
 
 
+def esc(label):
+    return label.replace("|", "\\|")
+
+
 def cell(c):
     if c is None:
         return "not run"
@@ -83,8 +87,26 @@ def listing(cases, labels):
         r = (c or {}).get("result") or {}
         fb = r.get("first_bad_step")
         steps = r.get("steps_done", "")
-        out.append(f"| `{lab}` | {steps} | {cell(c)} | {'' if fb is None else fb} | "
+        out.append(f"| `{esc(lab)}` | {steps} | {cell(c)} | {'' if fb is None else fb} | "
                    f"{r.get('peak_mem_mb', '')} | {(c or {}).get('_file', '')} |")
+    return "\n".join(out)
+
+
+def peak_table(cases):
+    out = ["| release | unit | no double buffer | double buffer, as shipped | "
+           "double buffer + hotfix |", "|---|---|---|---|---|"]
+    for unit in ("fused", "norm"):
+        for rel in RELS:
+            row = [rel, unit]
+            for v in ("nodb", "db", "db+hotfix"):
+                c = cases.get(f"{rel}|z2|{unit}|fake|{v}|d0") or {}
+                r = c.get("result") or {}
+                if r.get("peak_mem_mb") is None:
+                    t = (cases.get(f"{rel}|z2|{unit}|truth:{v}") or {}).get("result") or {}
+                    row.append("crash" if t.get("crashed") else "–")
+                else:
+                    row.append(f"{r['peak_mem_mb']:.0f}")
+            out.append("| " + " | ".join(row) + " |")
     return "\n".join(out)
 
 
@@ -95,7 +117,7 @@ def slot_table(cases, labels):
         r = (cases.get(lab) or {}).get("result") or {}
         st = r.get("slot_trace") or {}
         p, g = st.get("fsdp_params", {}), st.get("fsdp_grads", {})
-        out.append(f"| `{lab}` | {p.get('allocations', '')} | {p.get('slot_changed', '')} | "
+        out.append(f"| `{esc(lab)}` | {p.get('allocations', '')} | {p.get('slot_changed', '')} | "
                    f"{g.get('allocations', '')} | {g.get('slot_changed', '')} |")
     return "\n".join(out)
 
@@ -141,6 +163,8 @@ def main():
     print(correctness_table(cases, "fused"))
     print("\n## ZeRO-2, units that also hold a LayerNorm (non-fused params)\n")
     print(correctness_table(cases, "norm"))
+    print("\n## Peak allocated memory at the correctness size (MB, RS delay 0)\n")
+    print(peak_table(cases))
     print("\n## Controls\n")
     print(listing(cases, [
         "fsdp-0.5.1|z2|fused|nccl_sem|db|d20", "fsdp-0.5.1|z2|fused|nccl_sem|db+hotfix|d20",
