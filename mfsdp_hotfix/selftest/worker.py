@@ -144,6 +144,7 @@ def _reference(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any) -> list[di
 def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str, Any]:
     started = time.perf_counter()
     report: dict[str, Any] = {"rank": rank, "crashed": True}
+    flavour = resolve_flavour(spec.flavour)  # before importing torch: fail fast
     from mfsdp_hotfix.selftest import cuda_standin
 
     cuda_standin.install()
@@ -151,7 +152,6 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
     import torch.distributed as dist
 
     report["hotfix_status"] = _hotfix_status()
-    flavour = resolve_flavour(spec.flavour)
     package = importlib.import_module(VENDORED if flavour == "core" else STANDALONE)
     report["release"] = _release_info(flavour, package)
     pgb = importlib.import_module(package.__name__ + ".param_and_grad_buffer")

@@ -21,30 +21,32 @@ from realcases import (
 pytestmark = pytest.mark.slow
 
 ERA_B = [
-    pytest.param("megatron-fsdp", "0.5.1", id="fsdp-0.5.1"),
-    pytest.param("megatron-core", "0.18.2", id="core-0.18.2"),
+    pytest.param("megatron-fsdp", "0.5.1", "emulated", id="fsdp-0.5.1"),
+    pytest.param("megatron-core", "0.18.2", "mcore", id="core-0.18.2-mcore-linear"),
 ]
 
 
-@pytest.mark.parametrize(("dist", "version"), ERA_B)
-def test_patched_grads_equal_reference_and_reuse_is_ordered(dist: str, version: str) -> None:
-    result = case(dist, version, hotfix="on")
+@pytest.mark.parametrize(("dist", "version", "linear"), ERA_B)
+def test_patched_grads_equal_reference_and_reuse_is_ordered(dist: str, version: str,
+                                                            linear: str) -> None:
+    result = case(dist, version, hotfix="on", linear=linear)
     assert repaired(result, "getter-guard") and repaired(result, "ordered-drain"), describe(result)
     assert_matches_reference(result)
     assert result.ordering_checks, describe(result)
     assert result.ordering_violations == 0, describe(result)
 
 
-@pytest.mark.parametrize(("dist", "version"), ERA_B)
-def test_shipped_code_reuses_slots_unordered(dist: str, version: str) -> None:
-    result = case(dist, version, hotfix="off")
+@pytest.mark.parametrize(("dist", "version", "linear"), ERA_B)
+def test_shipped_code_reuses_slots_unordered(dist: str, version: str, linear: str) -> None:
+    result = case(dist, version, hotfix="off", linear=linear)
     assert_matches_reference(result)  # no crash, right numbers on CPU ...
     assert result.ordering_violations, describe(result)  # ... but the GPU race is there
 
 
-@pytest.mark.parametrize(("dist", "version"), ERA_B)
-def test_threshold_change_alone_crashes(dist: str, version: str) -> None:
-    assert_no_buffer_crash(case(dist, version, hotfix="on", disabled_fixes="getter-guard"))
+@pytest.mark.parametrize(("dist", "version", "linear"), ERA_B)
+def test_threshold_change_alone_crashes(dist: str, version: str, linear: str) -> None:
+    assert_no_buffer_crash(case(dist, version, hotfix="on", linear=linear,
+                                disabled_fixes="getter-guard"))
 
 
 def test_getter_guard_alone_leaves_reuse_unordered() -> None:
