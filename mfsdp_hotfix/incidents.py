@@ -21,9 +21,9 @@ def report(fix_id: str, where: str, exc: BaseException) -> None:
         if first:
             _failed[fix_id] = f"{where}: {type(exc).__name__}: {exc}"
     if first:
-        log.warning("mfsdp_hotfix: fix %s failed in %s and is now disabled in this process "
-                    "(%s: %s); the affected Megatron-FSDP code runs as shipped. Please report "
-                    "this with `mfsdp-hotfix status --json`.", fix_id, where,
+        log.warning("mfsdp_hotfix: %s failed in %s and is disabled for the rest of this "
+                    "process (%s: %s); the code it covers runs as shipped. Please report this "
+                    "with `mfsdp-hotfix status --json`.", fix_id, where,
                     type(exc).__name__, exc, exc_info=exc)
 
 

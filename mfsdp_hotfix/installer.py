@@ -265,7 +265,12 @@ def _after_model_init(wrapped: Any, instance: Any, args: tuple[Any, ...],
         _summary_logged = True
         log.info("%s", summary())
     assert _state.settings is not None
-    crossrank.check(applied_fingerprint(), _state.settings)
+    try:
+        crossrank.check(applied_fingerprint(), _state.settings)
+    except crossrank.RankMismatch:
+        raise
+    except Exception as exc:  # e.g. a process group whose store cannot set keys
+        incidents.report("cross-rank-check", "comparing ranks after MegatronFSDP.__init__", exc)
 
 
 _summary_logged = False

@@ -61,3 +61,26 @@ def test_identical_ranks_pass_silently(tmp_path: Path, fsdp_release) -> None:
     for rank, report in enumerate(reports):
         assert report is not None and not report["crashed"], rank_log(tmp_path, rank)
         assert "differently patched" not in rank_log(tmp_path, rank)
+
+
+def test_a_store_that_cannot_set_keys_only_warns() -> None:
+    """torch's fake process group (used for one-GPU validation) has a store without ``set``: the
+    check must disable itself with one warning, never break the model's construction."""
+    from conftest import run_python
+
+    code = """
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import mfsdp_hotfix
+from mfsdp_hotfix import installer
+mfsdp_hotfix.install()
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+built = []
+for _ in range(2):
+    installer._after_model_init(lambda: built.append(1), None, (), {})
+print("REPORT", len(built), sorted(mfsdp_hotfix.status()["failures"]))
+"""
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REPORT 2 ['cross-rank-check']" in proc.stdout
+    assert proc.stderr.count("cross-rank-check failed in") == 1

@@ -184,7 +184,7 @@ od.apply = broken
     assert data["drain"] == "function"
     assert fixes(data)["ordered-drain"] == "failed"
     assert "simulated bug" in data["status"]["failures"]["ordered-drain"]
-    assert proc.stderr.count("fix ordered-drain failed") == 1
+    assert proc.stderr.count("ordered-drain failed in") == 1
 
 
 @pytest.fixture(scope="session")
