@@ -102,8 +102,8 @@ def run(a, res):
     res["delay_cycles"] = cycles
     shims.install_rs_delay(cycles)
 
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     mesh = init_device_mesh("cuda", (2, 1), mesh_dim_names=("dp", "tp"))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 
 def _enforce_ordered(self, add_buckets):
     """0.19 body (threshold ``> 2``), but the drain runs on the caller's current stream, so each
