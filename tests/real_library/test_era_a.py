@@ -60,3 +60,14 @@ def test_fsdp_010_is_blocked_on_torch_213() -> None:
     result = case("megatron-fsdp", "0.1.0", hotfix="off")
     assert result.crashed
     assert "child_to_root_mapping" in (result.exception or ""), describe(result)
+
+
+def test_getter_guard_alone_is_enough_in_era_a() -> None:
+    """Era A's shipped drain runs on the caller's stream, so the guard alone leaves reuse ordered.
+
+    (The same rule reports era B/C, whose drain runs on the reduce-scatter stream.)
+    """
+    result = case("megatron-fsdp", "0.4.0", hotfix="on", disabled_fixes="ordered-drain")
+    assert_matches_reference(result)
+    assert result.ordering_checks, describe(result)
+    assert result.ordering_violations == 0, describe(result)
