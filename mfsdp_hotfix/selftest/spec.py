@@ -37,6 +37,7 @@ class CaseSpec:
     tokens: int = 8
     microbatches: int = 2
     iterations: int = 2
+    lr: float = 0.1  # SGD step after each iteration (0: none)
     seed: int = 1234
     dtype: str = "float32"
     timeout_s: float = 240.0

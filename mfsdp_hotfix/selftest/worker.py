@@ -5,8 +5,9 @@ once per rank, with the chosen release first on ``PYTHONPATH``.  It installs the
 stand-in (only here, in this process), imports the release (the hotfix, when enabled, is already
 imported as the parent package and patches it through its import hooks), wraps the release's
 pools with the ordering checker, trains ``iterations`` x ``microbatches`` steps of
-forward/backward/``finish_grad_sync`` with ``zero_grad_buffer`` between iterations, gathers
-the full gradients and compares them with a single-process reference.  It writes
+forward/backward/``finish_grad_sync``, gathers the full gradients and compares them with a
+single-process reference, then takes an SGD step on the shards (and the reference) and
+``zero_grad_buffer``s before the next iteration.  It writes
 ``OUT/rank{R}.json`` and exits.
 """
 
@@ -124,7 +125,8 @@ def _wrap(fully_shard: ModuleType, module: Any, unit_cls: type, spec: CaseSpec) 
 
 
 def _reference(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any) -> list[dict[str, Any]]:
-    """Plain single-process PyTorch: sum over microbatches of the mean over ranks of the loss."""
+    """Plain single-process PyTorch: sum over microbatches of the mean over ranks of the loss,
+    then an SGD step per iteration."""
     from mfsdp_hotfix.selftest import model as model_lib
 
     ref = model_lib.build(spec.hidden, spec.units, spec.seed, "plain", dtype)
@@ -138,7 +140,18 @@ def _reference(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any) -> list[di
             loss.backward()
         out.append({n: p.grad.detach().clone() for n, p in ref.named_parameters()
                     if p.grad is not None})
+        _sgd_step(ref.parameters(), spec.lr)
     return out
+
+
+def _sgd_step(params: Any, lr: float) -> None:
+    """Plain SGD, the same elementwise op on full tensors (reference) and on shards (FSDP)."""
+    import torch
+
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None and lr:
+                p.add_(p.grad, alpha=-lr)
 
 
 def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str, Any]:
@@ -205,6 +218,9 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
                     worst_rel = max(worst_rel, diff / scale)
                     if diff > 0:
                         per_param[f"{name}@{it}"] = diff
+            if spec.lr:  # optimizer step on the shards, then back into the model's weights
+                _sgd_step(fsdp.module.parameters(), spec.lr)
+                fsdp.install_optimized_model_weights()
         report["fsdp_s"] = time.perf_counter() - fsdp_started
         report["crashed"] = False
         if rank == 0:
