@@ -1,54 +1,54 @@
-"""Replace a class attribute with a marked wrapt wrapper, and undo it only if it is still ours.
+"""Replace a class attribute with a marked wrapper function, and undo it only if it is still ours.
 
-The marker (``_self_mfsdp_hotfix_fix``) makes installs idempotent and lets ``status`` and the
-detection of late installs tell our wrappers from anyone else's, on wrapt 1.x and 2.x alike.
+The wrappers are plain functions (``functools.wraps``, so ``__wrapped__``, the signature and
+``inspect.unwrap`` still lead to the release's code): one of them sits on the backward pass's hot
+path, where a wrapt ``FunctionWrapper``'s per-call binding cost microseconds. The marker
+(``_mfsdp_hotfix_fix``) makes installs idempotent and lets ``uninstall()`` tell our wrappers from
+anyone else's.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-import wrapt
+from typing import Any
 
 log = logging.getLogger("mfsdp_hotfix")
 
 Undo = Callable[[], bool]
-
-
-if TYPE_CHECKING:  # wrapt 2 is generic and typed; wrapt 1 is neither
-    _FunctionWrapper = wrapt.FunctionWrapper[Any, Any]
-else:
-    _FunctionWrapper = wrapt.FunctionWrapper
-
-
-class HotfixWrapper(_FunctionWrapper):
-    """A ``FunctionWrapper`` that remembers which fix installed it."""
-
-    def __init__(self, wrapped: Any, wrapper: Callable[..., Any], fix_id: str) -> None:
-        super().__init__(wrapped, wrapper)
-        self._self_mfsdp_hotfix_fix = fix_id
+# wrapper(bound original, instance, args, kwargs) -> result, as wrapt's wrappers are called.
+Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
+MARK = "_mfsdp_hotfix_fix"
 
 
 def fix_of(obj: object) -> str | None:
     """The id of the fix whose wrapper ``obj`` is, else None."""
-    return getattr(obj, "_self_mfsdp_hotfix_fix", None) if isinstance(obj, HotfixWrapper) else None
+    return getattr(obj, MARK, None) if isinstance(obj, types.FunctionType) else None
 
 
-def wrap_attribute(owner: type, name: str, wrapper: Callable[..., Any], fix_id: str) -> Undo:
-    """Wrap ``owner.name`` (looked up in the class's own dict) and return the undo."""
+def wrap_attribute(owner: type, name: str, wrapper: Wrapper, fix_id: str) -> Undo:
+    """Wrap the method ``owner.name`` (from the class's own dict) and return the undo."""
     original = owner.__dict__[name]
+    if not isinstance(original, types.FunctionType):
+        raise TypeError(f"{owner.__qualname__}.{name} is a {type(original).__name__}, not a "
+                        "plain function: not the code shape this fix was written for")
     if fix_of(original) == fix_id:
         raise RuntimeError(f"{owner.__qualname__}.{name} already carries {fix_id}")
-    installed = HotfixWrapper(original, wrapper, fix_id)
+
+    @functools.wraps(original)
+    def installed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return wrapper(original.__get__(self, owner), self, args, kwargs)
+
+    setattr(installed, MARK, fix_id)
     setattr(owner, name, installed)
 
     def undo() -> bool:
         if owner.__dict__.get(name) is not installed:
-            log.warning("mfsdp_hotfix: %s.%s was wrapped again by someone else after %s; leaving "
-                        "it in place (restore it yourself or uninstall the other wrapper first)",
-                        owner.__qualname__, name, fix_id)
+            log.warning("mfsdp_hotfix: %s.%s was replaced again by someone else after %s; "
+                        "leaving it in place (restore it yourself or remove the other patch "
+                        "first)", owner.__qualname__, name, fix_id)
             return False
         setattr(owner, name, original)
         return True

@@ -19,7 +19,7 @@ from megatron_fsdp import param_and_grad_buffer as pgb
 drain = pgb.GradReducePipeline.__dict__["_enforce_double_buffer_limit"]
 hotfix = sys.modules.get("mfsdp_hotfix")
 print("REPORT" + json.dumps({
-    "patched": getattr(drain, "_self_mfsdp_hotfix_fix", None) == "ordered-drain",
+    "patched": getattr(drain, "_mfsdp_hotfix_fix", None) == "ordered-drain",
     "loaded_via": hotfix.status()["loaded_via"] if hotfix else None,
     "user_sitecustomize": getattr(sys.modules.get("sitecustomize"), "USER_MARK", None)}))
 """

@@ -17,7 +17,7 @@ REPORT = """
 import json, sys
 from megatron_fsdp import param_and_grad_buffer as pgb, megatron_fsdp as mf
 def kind(obj):
-    return getattr(obj, "_self_mfsdp_hotfix_fix", None) or type(obj).__name__
+    return getattr(obj, "_mfsdp_hotfix_fix", None) or type(obj).__name__
 out = {"drain": kind(pgb.GradReducePipeline.__dict__["_enforce_double_buffer_limit"]),
        "init": kind(mf.MegatronFSDP.__dict__["_init_fsdp_param_and_grad_buffer"]),
        "hotfix_loaded": "mfsdp_hotfix" in sys.modules}
@@ -71,7 +71,7 @@ assert vendored.MegatronFSDP is not megatron_fsdp.megatron_fsdp.MegatronFSDP
 v = vendored.MegatronFSDP.__dict__["_init_fsdp_param_and_grad_buffer"]
 s = standalone.GradReducePipeline.__dict__["_enforce_double_buffer_limit"]
 print("REPORT" + __import__("json").dumps({"status": mfsdp_hotfix.status(),
-      "marks": [v._self_mfsdp_hotfix_fix, s._self_mfsdp_hotfix_fix]}))
+      "marks": [v._mfsdp_hotfix_fix, s._mfsdp_hotfix_fix]}))
 """
     data = report(run_python(code, fsdp051, core))
     assert data["marks"] == ["getter-guard", "ordered-drain"]
@@ -120,7 +120,7 @@ print("REPORT{}")
 """
     proc = run_python(code, fsdp051)
     report(proc)
-    assert "wrapped again by someone else" in proc.stderr
+    assert "replaced again by someone else" in proc.stderr
 
 
 @pytest.mark.parametrize("value, patched", [("0", False), ("off", False), ("1", True),

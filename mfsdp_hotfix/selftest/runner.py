@@ -137,4 +137,6 @@ def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int]
     result.hotfix_status = rank0.get("hotfix_status")
     worker_times = [float(r["worker_s"]) for r in present if "worker_s" in r]
     result.worker_s = max(worker_times) if worker_times else None
+    loop_times = [float(r["fsdp_s"]) for r in present if "fsdp_s" in r]
+    result.fsdp_s = max(loop_times) if loop_times else None
     return result

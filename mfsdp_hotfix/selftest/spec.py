@@ -79,7 +79,8 @@ class CaseResult:
     ordering_violations: int | None = None
     first_violations: list[dict[str, Any]] = field(default_factory=list)
     wall_s: float = 0.0
-    worker_s: float | None = None
+    worker_s: float | None = None  # slowest rank, imports included
+    fsdp_s: float | None = None  # slowest rank, training loop only (wrap to last gather)
     release: dict[str, Any] = field(default_factory=dict)
     hotfix_status: Any = None
     hotfix_import_error: str | None = None
