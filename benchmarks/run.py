@@ -154,7 +154,7 @@ def getter_rows(number):
     module.GradReducePipeline = GradReducePipeline
     undo = ordered_drain.apply(module)
     try:
-        rows.append(("+ getter-guard + ordered-drain (wrapt wrapper)",
+        rows.append(("+ getter-guard + ordered-drain",
                      ns_per_call(p.get_main_grad, number)))
         enforce = model.grad_reduce_pipeline._enforce_double_buffer_limit
         rows.append(("ordered-drain alone: _enforce_double_buffer_limit([5])",
