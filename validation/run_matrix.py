@@ -202,6 +202,20 @@ VARIANTS = {  # name -> (db, fix)
 }
 
 
+def separate_truth(cases, suffix, trace_slots=True):
+    """Give a phase's truth runs their own grads file (``*_<suffix>.pt``), so that its cases
+    compare against their own serialized run, not the smaller matrix's."""
+    for c in cases:
+        if trace_slots:
+            c["harness"]["trace_slots"] = True
+        if c.get("is_truth"):
+            c["harness"]["save_grads"] = c["harness"]["save_grads"].replace(".pt", f"_{suffix}.pt")
+            c["label"] += f"|{suffix}"
+        else:
+            c["harness"]["truth"] = c["harness"]["truth"].replace(".pt", f"_{suffix}.pt")
+    return cases
+
+
 def correctness_cases(releases, zero, norm, head, pg, variants, delays, size, tag=""):
     cases = []
     for rel in releases:
@@ -305,14 +319,7 @@ def _phase_cases(phase, hotfix_ok, args):
         for rel in ("fsdp-0.5.1", "fsdp-0.6.1"):
             cases += correctness_cases([rel], 3, 0, 0, "fake", ["db"], [0], big16, tag="|16k")
             cases += correctness_cases([rel], 3, 0, 0, "nccl_sem", ["db"], [0], big16, tag="|16k")
-        for c in cases:
-            c["harness"]["trace_slots"] = True
-            if c.get("is_truth"):
-                c["harness"]["save_grads"] = c["harness"]["save_grads"].replace(".pt", "_16k.pt")
-                c["label"] += "|16k"
-            else:
-                c["harness"]["truth"] = c["harness"]["truth"].replace(".pt", "_16k.pt")
-        return cases
+        return separate_truth(cases, "16k")
     if phase == "issueb3":
         # as issueb2 but no host synchronisation between steps (grads read back at the end)
         big16 = dict(BIG_B, tokens=16384, steps=3, defer_readback=True)
@@ -320,13 +327,7 @@ def _phase_cases(phase, hotfix_ok, args):
         cases += correctness_cases(["fsdp-0.5.1"], 3, 0, 0, "nccl_sem", ["db"], [0], big16,
                                    tag="|16k-async")
         cases += correctness_cases(["fsdp-0.6.1"], 3, 0, 0, "fake", ["db"], [0], big16, tag="|16k-async")
-        for c in cases:
-            if c.get("is_truth"):
-                c["harness"]["save_grads"] = c["harness"]["save_grads"].replace(".pt", "_16k.pt")
-                c["label"] += "|16k"
-            else:
-                c["harness"]["truth"] = c["harness"]["truth"].replace(".pt", "_16k.pt")
-        return cases
+        return separate_truth(cases, "16k", trace_slots=False)
     if phase == "perf2":
         out = []
         for rel, v in (("core-0.19.2", fixv), ("fsdp-0.5.1", fixv), ("core-0.19.2", "nodb"),
@@ -367,14 +368,7 @@ def _phase_cases(phase, hotfix_ok, args):
             cases += correctness_cases([rel], 3, 0, 1, "fake", ["nodb"], [0], BIG_B, tag="|big")
             cases += correctness_cases([rel], 3, 0, 1, "nccl_sem", ["nodb"], [0], BIG_B,
                                        tag="|big")
-        for c in cases:
-            c["harness"]["trace_slots"] = True
-            if c.get("is_truth"):
-                c["harness"]["save_grads"] = c["harness"]["save_grads"].replace(".pt", "_big.pt")
-                c["label"] += "|big"
-            else:
-                c["harness"]["truth"] = c["harness"]["truth"].replace(".pt", "_big.pt")
-        return cases
+        return separate_truth(cases, "big")
     raise SystemExit(f"unknown phase {phase}")
 
 
