@@ -29,7 +29,7 @@ _MEANING = {
 }
 
 
-def _verdict(result: CaseResult) -> str:
+def verdict(result: CaseResult) -> str:
     if result.crashed:
         return "CRASH"
     if not result.grads_match(GRAD_TOLERANCE):
@@ -49,7 +49,7 @@ def format_table(results: list[tuple[str, CaseResult]]) -> str:
     rows = [header]
     for name, r in results:
         ordering = (f"{_cell(r.ordering_violations, 'd')}/{_cell(r.ordering_checks, 'd')}")
-        rows.append((name, _verdict(r), "yes" if r.crashed else "no",
+        rows.append((name, verdict(r), "yes" if r.crashed else "no",
                      _cell(r.max_abs_grad_error, ".2e"), ordering, f"{r.wall_s:.1f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
@@ -58,8 +58,8 @@ def format_table(results: list[tuple[str, CaseResult]]) -> str:
     for name, r in results:
         if r.exception:
             lines.append(f"{name}: {r.exception.splitlines()[0][:200]}")
-    for verdict in dict.fromkeys(_verdict(r) for _, r in results):
-        lines.append(f"{verdict}: {_MEANING[verdict]}")
+    for word in dict.fromkeys(verdict(r) for _, r in results):
+        lines.append(f"{word}: {_MEANING[word]}")
     return "\n".join(lines)
 
 
@@ -89,7 +89,7 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
         result = runner(case, tick)
         runs.append((name, result))
         if progress:
-            stream.write(f"selftest: {name}: {_verdict(result)} in {result.wall_s:.1f}s\n")
+            stream.write(f"selftest: {name}: {verdict(result)} in {result.wall_s:.1f}s\n")
             stream.flush()
     release = next((r.release for _, r in runs if r.release), {})
     if release:

@@ -19,7 +19,8 @@ class CaseSpec:
     """One run: which Megatron-FSDP copy, which configuration, and whether the hotfix is loaded.
 
     ``hotfix``: "on" imports ``mfsdp_hotfix`` before the release (nothing else); "off" does the
-    same with ``MFSDP_HOTFIX=0`` (the product's kill switch), which is how a user turns it off.
+    same with ``MFSDP_HOTFIX=0`` (the product's kill switch), which is how a user turns it off;
+    "late" builds the model first and installs the hotfix afterwards (a late import).
     ``disabled_fixes`` goes to ``MFSDP_HOTFIX_DISABLED_FIXES`` (negative controls).
     ``path``: a folder put first on the workers' ``sys.path`` (an unpacked release), or None for
     whatever is importable.
