@@ -14,7 +14,12 @@ if TYPE_CHECKING:  # typing costs more to import than this whole package
     from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "apply_to", "install", "status", "summary", "uninstall"]
+__all__ = ["HotfixRefused", "__version__", "apply_to", "install", "status", "summary",
+           "uninstall"]
+
+
+class HotfixRefused(RuntimeError):
+    """Strict mode: a Megatron-FSDP copy was found that the hotfix cannot verify."""
 
 
 def install(strict: bool | None = None) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 
 import wrapt
 
-from . import crossrank, detection, incidents, registry
+from . import HotfixRefused, crossrank, detection, incidents, registry
 from . import settings as settings_module
 from .detection import Detection
 from .patching import Undo, wrap_attribute
@@ -34,10 +34,6 @@ def __version__() -> str:
     from . import __version__ as version
 
     return version
-
-
-class HotfixRefused(RuntimeError):
-    """Strict mode: a Megatron-FSDP copy was found that the hotfix cannot verify."""
 
 
 # Which fix module patches which of a copy's two modules.

@@ -170,6 +170,10 @@ def test_strict_mode_turns_a_refusal_into_an_error(modified_release: Path) -> No
                       env={"MFSDP_HOTFIX": "strict"})
     assert proc.returncode != 0
     assert "HotfixRefused" in proc.stderr and "MFSDP_HOTFIX=strict" in proc.stderr
+    caught = run_python("import mfsdp_hotfix\ntry:\n    import megatron_fsdp\n"
+                        "except mfsdp_hotfix.HotfixRefused:\n    print('CAUGHT')",
+                        modified_release, env={"MFSDP_HOTFIX": "strict"})
+    assert caught.stdout.strip() == "CAUGHT", caught.stderr[-2000:]
 
 
 def test_a_failing_fix_never_breaks_the_import(fsdp051: Path) -> None:
