@@ -162,6 +162,26 @@ def run(a, res):
     saved = []
     err_max, diff_sq, ref_sq, steps_compared = 0.0, 0.0, 0.0, 0
     first_bad_step = None
+
+    def take(step, g):
+        """Keep (when asked) and compare one step's grads, read back to the host."""
+        nonlocal err_max, diff_sq, ref_sq, steps_compared, first_bad_step
+        g = g.cpu()
+        if a.save_grads:
+            saved.append(g)
+        if truth is not None:
+            t = truth[step]
+            if t.shape != g.shape:
+                raise RuntimeError(f"truth shape {tuple(t.shape)} != grads {tuple(g.shape)}")
+            d = (g - t)
+            m = d.abs().max().item()
+            if m != 0.0 and first_bad_step is None:
+                first_bad_step = step
+            err_max = max(err_max, m)
+            diff_sq += float(d.double().square().sum())
+            ref_sq += float(t.double().square().sum())
+            steps_compared += 1
+        return g
     events = []
     gen = torch.Generator(device=dev)
 
@@ -190,40 +210,14 @@ def run(a, res):
             if a.defer_readback:
                 saved.append(g.clone())
                 continue
-            g = g.cpu()
-            if a.save_grads:
-                saved.append(g)
-            if truth is not None:
-                t = truth[step]
-                if t.shape != g.shape:
-                    raise RuntimeError(f"truth shape {tuple(t.shape)} != grads {tuple(g.shape)}")
-                d = (g - t)
-                m = d.abs().max().item()
-                if m != 0.0 and first_bad_step is None:
-                    first_bad_step = step
-                err_max = max(err_max, m)
-                diff_sq += float(d.double().square().sum())
-                ref_sq += float(t.double().square().sum())
-                steps_compared += 1
+            g = take(step, g)
             if not torch.isfinite(g).all():
                 res["nonfinite_grads_step"] = step
     torch.cuda.synchronize()
     if a.defer_readback and not a.no_grads:
         gpu_grads, saved = saved, []
         for step, g in enumerate(gpu_grads):
-            g = g.cpu()
-            if a.save_grads:
-                saved.append(g)
-            if truth is not None:
-                t = truth[step]
-                d = (g - t)
-                m = d.abs().max().item()
-                if m != 0.0 and first_bad_step is None:
-                    first_bad_step = step
-                err_max = max(err_max, m)
-                diff_sq += float(d.double().square().sum())
-                ref_sq += float(t.double().square().sum())
-                steps_compared += 1
+            take(step, g)
     res["steps_done"] = total
     res["peak_mem_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     res["peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)

@@ -202,6 +202,16 @@ VARIANTS = {  # name -> (db, fix)
 }
 
 
+def kill_switch_case(shipped):
+    """The shipped double-buffer case run with the hotfix imported but ``MFSDP_HOTFIX=0``: it
+    must behave exactly as shipped."""
+    c = json.loads(json.dumps(shipped))
+    c["label"] = c["label"].replace("|db|", "|db+hotfix(MFSDP_HOTFIX=0)|")
+    c["harness"]["fix"] = "hotfix"
+    c["env"] = {"MFSDP_HOTFIX": "0"}
+    return c
+
+
 def separate_truth(cases, suffix, trace_slots=True):
     """Give a phase's truth runs their own grads file (``*_<suffix>.pt``), so that its cases
     compare against their own serialized run, not the smaller matrix's."""
@@ -288,12 +298,8 @@ def _phase_cases(phase, hotfix_ok, args):
         # kill switch control: MFSDP_HOTFIX=0 must behave as shipped
         if hotfix_ok:
             for rel in ("fsdp-0.5.1", "fsdp-0.4.0"):
-                c = correctness_cases([rel], 2, 0, 0, "fake", ["db"], [20], SMALL)[1]
-                c = json.loads(json.dumps(c))
-                c["label"] = c["label"].replace("|db|", "|db+hotfix(MFSDP_HOTFIX=0)|")
-                c["harness"]["fix"] = "hotfix"
-                c["env"] = {"MFSDP_HOTFIX": "0"}
-                cases.append(c)
+                cases.append(kill_switch_case(correctness_cases([rel], 2, 0, 0, "fake", ["db"],
+                                                                [20], SMALL)[1]))
         return cases
     if phase == "matrix2":
         # what the first matrix call's budget cut, minus the small ZeRO-3 rows (issueb covers
@@ -303,13 +309,8 @@ def _phase_cases(phase, hotfix_ok, args):
         cases += correctness_cases(["fsdp-0.5.1", "fsdp-0.6.1"], 2, 0, 0, "nccl_sem",
                                    ["db", fixv], [20], SMALL)
         if hotfix_ok:
-            c = correctness_cases(["fsdp-0.5.1"], 2, 0, 0, "fake", ["db"], [20], SMALL)
-            cases.append(c[0])
-            c = json.loads(json.dumps(c[1]))
-            c["label"] = c["label"].replace("|db|", "|db+hotfix(MFSDP_HOTFIX=0)|")
-            c["harness"]["fix"] = "hotfix"
-            c["env"] = {"MFSDP_HOTFIX": "0"}
-            cases.append(c)
+            truth, shipped = correctness_cases(["fsdp-0.5.1"], 2, 0, 0, "fake", ["db"], [20], SMALL)
+            cases += [truth, kill_switch_case(shipped)]
         return cases
     if phase == "issueb2":
         # the reported ZeRO-3 condition at 16k tokens, one case at a time (no other process on
