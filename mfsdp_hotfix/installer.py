@@ -52,6 +52,11 @@ class CopyRecord:
     undo: dict[str, Undo] = field(default_factory=dict)
     models_repaired: int = 0
 
+    @property
+    def applied(self) -> list[str]:
+        """Ids of the fixes applied to this copy, in registry order."""
+        return [fix_id for fix_id, (state, _) in self.fixes.items() if state == "applied"]
+
     def as_dict(self) -> dict[str, Any]:
         return {**self.detection.as_dict(), "imported": True,
                 "fixes": {k: {"state": s, "reason": r} for k, (s, r) in self.fixes.items()},
@@ -158,7 +163,7 @@ def applied_fingerprint() -> dict[str, Any]:
                 "copies": sorted(
                     (r.detection.copy.package, r.detection.version or "?",
                      r.detection.era.name if r.detection.era else "refused",
-                     ",".join(sorted(k for k, (s, _) in r.fixes.items() if s == "applied")))
+                     ",".join(sorted(r.applied)))
                     for r in _state.records.values())}
 
 
@@ -278,9 +283,9 @@ def summary() -> str:
         parts = []
         for record in _state.records.values():
             found = record.detection
-            applied = [k for k, (s, _) in record.fixes.items() if s == "applied"]
+            applied = ", ".join(record.applied) or "nothing to apply"
             parts.append(f"{found.copy.label} {found.version or '?'} "
-                         + (f"era {found.era.name}: {', '.join(applied) or 'nothing to apply'}"
+                         + (f"era {found.era.name}: {applied}"
                             if found.era else "REFUSED"))
         return "mfsdp_hotfix: " + ("; ".join(parts) or "no Megatron-FSDP copy imported")
 
