@@ -27,7 +27,7 @@ def install(strict: bool | None = None) -> bool:
     from . import installer
 
     trigger.disarm()
-    return installer.install(strict, loaded_via=trigger.loaded_via)
+    return installer.install(strict)
 
 
 def uninstall() -> bool:
@@ -39,17 +39,17 @@ def uninstall() -> bool:
 
 
 def status() -> dict[str, Any]:
-    """What was detected and applied, and why, as plain data."""
-    from . import installer
+    """What is armed, applied and would apply, and why, as plain data (see ``reporting``)."""
+    from . import reporting
 
-    return installer.status()
+    return reporting.status()
 
 
 def summary() -> str:
     """One line: what this process patched."""
-    from . import installer
+    from . import reporting
 
-    return installer.summary()
+    return reporting.summary()
 
 
 def apply_to(model: Any) -> int:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import bootstrap, settings, status
+from . import bootstrap, reporting, settings, status
 
 # Exit codes of ``status --check``.
 CHECK_OK, CHECK_UNFIXED = 0, 1
@@ -27,10 +27,21 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--json", action="store_true", help="one JSON object on stdout")
     show.add_argument("--check", action="store_true",
                       help=f"exit {CHECK_UNFIXED} if an affected copy would be left unfixed")
-    test = commands.add_parser("selftest", help="prove the fix on this install (CPU, 2 ranks)")
-    test.add_argument("--path", help="folder to put first on sys.path (default: as installed)")
-    test.add_argument("--flavour", choices=["auto", "standalone", "core"], default="auto")
-    test.add_argument("--json", action="store_true", help="also print the results as JSON")
+    test = commands.add_parser(
+        "selftest", help="prove the fix on this install (CPU, 2 ranks)",
+        description="Train a small model with this environment's torch and Megatron-FSDP on CPU "
+                    "(2 gloo ranks, fused wgrad, fsdp_double_buffer=True), once with "
+                    "MFSDP_HOTFIX=0 and once with the hotfix; installs nothing. The last line "
+                    "is 'selftest: PASS: ...' (exit 0) or 'selftest: FAIL: ...' (exit 1).")
+    test.add_argument("--path", help="folder put first on sys.path of the test processes, "
+                                     "e.g. an unpacked release (default: as installed)")
+    test.add_argument("--flavour", choices=["auto", "standalone", "core"], default="auto",
+                      help="which Megatron-FSDP copy to test: 'standalone' (megatron_fsdp), "
+                           "'core' (the copy vendored in megatron-core) or 'auto' (megatron-"
+                           "core's when importable, else megatron_fsdp; default)")
+    test.add_argument("--json", action="store_true",
+                      help="print the results as one JSON object on stdout (progress, table "
+                           "and the PASS/FAIL line go to stderr)")
     run = commands.add_parser("run", help="run a command with the hotfix on every process",
                               usage="mfsdp-hotfix run -- COMMAND [ARGS...]")
     run.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -47,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report() -> dict[str, Any]:
-    """``status()`` plus how a new process of this environment would load the hotfix."""
+    """``status()`` as a *new* process of this environment would see it: whether it loads the
+    hotfix at interpreter start, and what would apply once it imports Megatron-FSDP."""
     data = status()
     pth = [str(Path(d) / bootstrap.PTH_FILE.name) for d in _site_dirs()
            if (Path(d) / bootstrap.PTH_FILE.name).is_file()]
@@ -55,6 +67,12 @@ def report() -> dict[str, Any]:
         os.pathsep)
     opted_out = os.environ.get(settings.BOOTSTRAP, "").strip().lower() in {"0", "off", "false",
                                                                            "no"}
+    loaded_via = ("sitecustomize" if on_path else "pth" if pth and not opted_out else None)
+    data["scope"] = "a new Python process of this environment"
+    data["hotfix"] = ("off" if data["settings"]["mode"] == "off" else
+                      "armed" if loaded_via else "not loaded")
+    data["hotfix_meaning"] = reporting.HOTFIX_STATES[data["hotfix"]]
+    data["loaded_via"] = loaded_via
     data["bootstrap"] = {"pth_files": pth, "pth_active": bool(pth) and not opted_out,
                          "sitecustomize_on_pythonpath": on_path,
                          "variables": {name: os.environ.get(name)
@@ -66,15 +84,12 @@ def report() -> dict[str, Any]:
 def _unfixed(data: dict[str, Any]) -> list[str]:
     """Every affected copy that a training process here would run unfixed, and why."""
     problems = []
-    off = data["settings"]["mode"] == "off"
     for copy in data["copies"]:
         name = f"{copy['copy']} {copy['version'] or '?'} at {copy['path']}"
         if copy["refused"]:
             problems.append(f"{name}: refused ({copy['reason']})")
-        elif off:
-            problems.append(f"{name}: era {copy['era']} but MFSDP_HOTFIX=0")
         for fix, state in copy["fixes"].items():
-            if state["state"] in ("failed", "disabled"):
+            if state["state"] in ("failed", "disabled", "off"):
                 problems.append(f"{name}: {fix} {state['state']} ({state['reason']})")
     return problems
 
@@ -90,24 +105,27 @@ def _status(as_json: bool, check: bool) -> int:
 
 def _format(data: dict[str, Any]) -> str:
     boot = data["bootstrap"]
-    loaded = ("automatic at interpreter start (.pth)" if boot["pth_active"] else
-              "sitecustomize on PYTHONPATH" if boot["sitecustomize_on_pythonpath"] else
-              "only where a script imports mfsdp_hotfix")
-    lines = [f"mfsdp-hotfix {data['mfsdp_hotfix']}",
-             f"  switch MFSDP_HOTFIX: {data['settings']['mode']}"
-             + (f" (disabled fixes: {', '.join(data['settings']['disabled_fixes'])})"
-                if data['settings']['disabled_fixes'] else ""),
-             f"  loaded: {loaded}" + (f" [{', '.join(boot['pth_files'])}]"
-                                      if boot["pth_files"] else "")]
+    how = {"pth": "at interpreter start by " + ", ".join(boot["pth_files"]),
+           "sitecustomize": "at interpreter start by the sitecustomize on PYTHONPATH"}
+    lines = [f"mfsdp-hotfix {data['mfsdp_hotfix']}, in {data['scope']}:",
+             f"  hotfix: {data['hotfix']}"
+             + (f" {how[data['loaded_via']]}" if data["loaded_via"] else "")
+             + f": {data['hotfix_meaning']}"]
+    disabled = ", ".join(data["settings"]["disabled_fixes"])
+    if disabled:
+        lines.append(f"  {settings.DISABLED_FIXES}: {disabled}")
     lines += [f"  warning: {p}" for p in data["settings"]["problems"]]
     if not data["copies"]:
         lines.append("  no Megatron-FSDP copy found on sys.path")
+    else:
+        lines.append(f"Megatron-FSDP copies ({reporting.SHAPE_MEANING}):")
     for copy in data["copies"]:
         lines.append(f"- {copy['copy']} {copy['version'] or '(no version metadata)'}: "
                      + (f"REFUSED: {copy['reason']}" if copy["refused"] else
                         f"era {copy['era']}, {copy['defect']}"))
         lines.append(f"    path: {copy['path']}")
-        shapes = ", ".join(f"{k.rsplit('.', 1)[-1]}={v or 'unknown'}"
+        shapes = ", ".join(f"{k.rsplit('.', 1)[-1]} as in {v}" if v else
+                           f"{k.rsplit('.', 1)[-1]} unknown"
                            for k, v in copy["shapes"].items())
         if shapes:
             lines.append(f"    code shapes: {shapes}")
@@ -127,16 +145,20 @@ def _selftest(path: str | None, flavour: str, as_json: bool) -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("mfsdp-hotfix selftest needs torch: pip install 'mfsdp-hotfix[selftest]'",
+        print("selftest: FAIL: no torch in this environment. The selftest runs on this "
+              "environment's own torch and Megatron-FSDP and installs nothing; to try it on a "
+              "machine without them, use a fresh virtual environment (README, 'Try it').",
               file=sys.stderr)
         return 2
-    from .selftest.selftest import run_selftest, verdict
+    from .selftest.selftest import conclusion, run_selftest
 
     # With --json, stdout carries only the JSON; progress and the table go to stderr.
     runs = run_selftest(path=path, flavour=flavour, out=sys.stderr if as_json else sys.stdout)
+    passed, line = conclusion(runs)
     if as_json:
-        print(json.dumps({name: result.to_dict() for name, result in runs}, default=str))
-    return 0 if verdict(runs[-1][1]) == "ok" else 1
+        print(json.dumps({"verdict": "PASS" if passed else "FAIL", "conclusion": line,
+                          **{name: result.to_dict() for name, result in runs}}, default=str))
+    return 0 if passed else 1
 
 
 def _run(command: list[str], parser: argparse.ArgumentParser) -> int:

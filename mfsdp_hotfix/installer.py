@@ -4,7 +4,8 @@
 (a hook fires at once for a module that is already imported), and on each import classifies the
 copy and applies the fixes its era needs. Everything a hook does is caught: a refusal is one
 warning (an error in strict mode), a failure disables that fix and is recorded; the user's import
-always completes. Models built before the hotfix was loaded are found and repaired.
+always completes. Models built before the hotfix was loaded are found and repaired. What the
+install did is read back by ``reporting``.
 """
 
 from __future__ import annotations
@@ -30,12 +31,6 @@ from .registry import Copy, Fix
 log = logging.getLogger("mfsdp_hotfix")
 
 
-def __version__() -> str:
-    from . import __version__ as version
-
-    return version
-
-
 # Which fix module patches which of a copy's two modules.
 _FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
                registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module")}
@@ -57,26 +52,27 @@ class CopyRecord:
         """Ids of the fixes applied to this copy, in registry order."""
         return [fix_id for fix_id, (state, _) in self.fixes.items() if state == "applied"]
 
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.detection.as_dict(), "imported": True,
-                "fixes": {k: {"state": s, "reason": r} for k, (s, r) in self.fixes.items()},
-                "models_repaired": self.models_repaired}
-
 
 @dataclass
 class _State:
     settings: settings_module.Settings | None = None
     installed: bool = False
-    loaded_via: str | None = None
     hooks_registered: bool = False
     records: dict[str, CopyRecord] = field(default_factory=dict)
 
 
 _lock = threading.RLock()
 _state = _State()
+WOULD_APPLY = "would apply"
 
 
-def install(strict: bool | None = None, *, loaded_via: str = "api") -> bool:
+def view() -> tuple[settings_module.Settings | None, bool, list[CopyRecord]]:
+    """A consistent copy of what the install did (settings, installed, records) for reporting."""
+    with _lock:
+        return _state.settings, _state.installed, list(_state.records.values())
+
+
+def install(strict: bool | None = None) -> bool:
     """Patch every Megatron-FSDP copy, now and when imported later. Idempotent.
 
     ``strict`` overrides ``MFSDP_HOTFIX=strict`` (True: refusals raise :class:`HotfixRefused`).
@@ -91,8 +87,6 @@ def install(strict: bool | None = None, *, loaded_via: str = "api") -> bool:
         if strict is not None and settings.enabled:
             settings = dataclasses.replace(settings, mode="strict" if strict else "on")
             _state.settings = settings
-        if _state.loaded_via is None:
-            _state.loaded_via = loaded_via
         if _state.installed or not settings.enabled:
             return _state.installed
         _state.installed = True
@@ -133,38 +127,6 @@ def apply_to(model: Any) -> int:
             raise ValueError(f"{type(model).__qualname__} contains no Megatron-FSDP model of a "
                              "copy the hotfix patched (see mfsdp_hotfix.status())")
         return sum(_repair(record, instance) for record, instance in found)
-
-
-def status() -> dict[str, Any]:
-    """What was detected and applied, and why, as plain data (also ``mfsdp-hotfix status``)."""
-    with _lock:
-        settings = _state.settings or settings_module.read(known_fixes=registry.FIX_IDS)
-        copies = [record.as_dict() for record in _state.records.values()]
-        seen = {record.detection.copy.package for record in _state.records.values()}
-        for copy in registry.COPIES:
-            if copy.package not in seen:
-                copies.extend(_not_imported(copy, settings))
-        return {
-            "mfsdp_hotfix": __version__(),
-            "installed": _state.installed,
-            "loaded_via": _state.loaded_via,
-            "settings": {"mode": settings.mode, "disabled_fixes": sorted(settings.disabled_fixes),
-                         "cross_rank_check": settings.cross_rank_check,
-                         "problems": list(settings.problems)},
-            "copies": copies,
-            "failures": incidents.failures(),
-        }
-
-
-def applied_fingerprint() -> dict[str, Any]:
-    """The short description of this process's patching that ranks compare."""
-    with _lock:
-        return {"mfsdp_hotfix": __version__(), "installed": _state.installed,
-                "copies": sorted(
-                    (r.detection.copy.package, r.detection.version or "?",
-                     r.detection.era.name if r.detection.era else "refused",
-                     ",".join(sorted(r.applied)))
-                    for r in _state.records.values())}
 
 
 def _watched_modules() -> list[str]:
@@ -222,26 +184,29 @@ def _record_for(copy: Copy) -> CopyRecord | None:
     else:
         assert _state.settings is not None
         for fix in registry.FIXES:
-            record.fixes[fix.id] = _initial_state(fix, record.detection, _state.settings)
+            record.fixes[fix.id] = fix_state(fix, record.detection, _state.settings)
     return record
 
 
-def _initial_state(fix: Fix, found: Detection, settings: settings_module.Settings
-                   ) -> tuple[str, str]:
+def fix_state(fix: Fix, found: Detection, settings: settings_module.Settings
+              ) -> tuple[str, str]:
+    """The state a fix starts in for a copy: one of :data:`reporting.FIX_STATES`."""
     assert found.era is not None
+    if not settings.enabled:
+        return "off", f"{settings_module.SWITCH}=0"
     if found.era.name not in fix.eras:
         return "not needed", _NOT_NEEDED.get(fix.id, f"era {found.era.name} does not need it")
     if fix.id in settings.disabled_fixes:
         return "disabled", "listed in MFSDP_HOTFIX_DISABLED_FIXES"
     module_role = _FIX_TARGET[fix.id][1]
-    return "pending", f"applied when {getattr(found.copy, module_role)} is imported"
+    return WOULD_APPLY, f"applied when {getattr(found.copy, module_role)} is imported"
 
 
 def _apply_fixes(record: CopyRecord, copy: Copy, module_role: str) -> None:
     module = sys.modules[getattr(copy, module_role)]
     for fix in registry.FIXES:
         fix_module, role = _FIX_TARGET[fix.id]
-        if role != module_role or record.fixes[fix.id][0] != "pending":
+        if role != module_role or record.fixes[fix.id][0] != WOULD_APPLY:
             continue
         try:
             record.undo[fix.id] = import_module(f"{__package__}.fixes.{fix_module}").apply(module)
@@ -260,14 +225,16 @@ def _apply_fixes(record: CopyRecord, copy: Copy, module_role: str) -> None:
 def _after_model_init(wrapped: Any, instance: Any, args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> None:
     """Once a model exists: log the process's summary line (once) and compare ranks."""
+    from . import reporting
+
     wrapped(*args, **kwargs)
     global _summary_logged
     if not _summary_logged:
         _summary_logged = True
-        log.info("%s", summary())
+        log.info("%s", reporting.summary())
     assert _state.settings is not None
     try:
-        crossrank.check(applied_fingerprint(), _state.settings)
+        crossrank.check(reporting.applied_fingerprint(), _state.settings)
     except crossrank.RankMismatch:
         raise
     except Exception as exc:  # e.g. a process group whose store cannot set keys
@@ -275,19 +242,6 @@ def _after_model_init(wrapped: Any, instance: Any, args: tuple[Any, ...],
 
 
 _summary_logged = False
-
-
-def summary() -> str:
-    """One line: what this process patched."""
-    with _lock:
-        parts = []
-        for record in _state.records.values():
-            found = record.detection
-            applied = ", ".join(record.applied) or "nothing to apply"
-            parts.append(f"{found.copy.label} {found.version or '?'} "
-                         + (f"era {found.era.name}: {applied}"
-                            if found.era else "REFUSED"))
-        return "mfsdp_hotfix: " + ("; ".join(parts) or "no Megatron-FSDP copy imported")
 
 
 def _repair_existing(record: CopyRecord, model_module: ModuleType) -> None:
@@ -341,17 +295,3 @@ def _refuse(found: Detection) -> None:
     if _state.settings.strict:
         raise HotfixRefused(message + " (MFSDP_HOTFIX=strict)")
     log.warning(message)
-
-
-def _not_imported(copy: Copy, settings: settings_module.Settings) -> list[dict[str, Any]]:
-    """Offline detection of a copy that is installed but not imported (no torch needed)."""
-    buffer_file = detection.find_installed(copy)
-    if buffer_file is None:
-        return []
-    found = detection.detect_file(copy, buffer_file)
-    fixes: dict[str, dict[str, str]] = {}
-    for fix in [] if found.refused else registry.FIXES:
-        state, reason = _initial_state(fix, found, settings)
-        fixes[fix.id] = {"state": "would apply" if state == "pending" else state,
-                         "reason": fix.summary if state == "pending" else reason}
-    return [{**found.as_dict(), "imported": False, "fixes": fixes, "models_repaired": 0}]

@@ -2,7 +2,9 @@
 
 Ranks must not diverge mid-run, so the values are read when ``install()`` runs and frozen in a
 ``Settings`` object. Garbage never raises: it produces one warning naming the variable, the
-accepted values and the default that is used instead.
+accepted values and the default that is used instead. A misspelt name would otherwise be ignored
+in silence, so every ``MFSDP_HOTFIX*`` variable this module does not know gets one warning naming
+the closest known one.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def read(env: Mapping[str, str] | None = None, known_fixes: frozenset[str] = fro
          ) -> Settings:
     """Parse the environment; every problem found is returned in ``Settings.problems``."""
     env = os.environ if env is None else env
-    problems: list[str] = []
+    problems = [_unknown(name) for name in sorted(env)
+                if name.startswith(SWITCH) and name not in ALL_VARIABLES]
     mode = _choice(env, SWITCH, _SWITCH_VALUES, "on", problems)
     check = _choice(env, CROSS_RANK_CHECK, _CHECK_VALUES, "error", problems)
     names = {n.strip() for n in env.get(DISABLED_FIXES, "").split(",") if n.strip()}
@@ -75,6 +78,14 @@ def read(env: Mapping[str, str] | None = None, known_fixes: frozenset[str] = fro
     return Settings(mode=mode, disabled_fixes=frozenset(names - set(unknown)),
                     cross_rank_check=check, cross_rank_timeout=_seconds(env, problems),
                     problems=tuple(problems))
+
+
+def _unknown(name: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, ALL_VARIABLES, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(ALL_VARIABLES)}"
+    return f"{name} is not a variable mfsdp_hotfix reads ({hint}); it is ignored"
 
 
 def _seconds(env: Mapping[str, str], problems: list[str]) -> float:

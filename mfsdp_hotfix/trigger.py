@@ -36,7 +36,7 @@ class _FirstMegatronImport:
         if self.armed and name in TOP_LEVEL and disarm():
             from .installer import install
 
-            install(loaded_via=loaded_via)
+            install()
         return None
 
 
@@ -53,11 +53,16 @@ def arm(source: str) -> None:
     if any(name in sys.modules for name in TOP_LEVEL):
         from .installer import install
 
-        install(loaded_via=source)
+        install()
         return
     _finder.armed = True
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
+
+
+def armed() -> bool:
+    """Whether the first Megatron import will still install the hotfix."""
+    return _finder.armed
 
 
 def disarm() -> bool:

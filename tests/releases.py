@@ -3,7 +3,7 @@
 Each release is unpacked (not pip-installed) into its own folder, dist-info included, so that a
 subprocess with that folder first on ``sys.path`` imports exactly that release and
 ``importlib.metadata`` reports its version, while the test venv itself stays free of megatron.
-The cache lives in ``$MFSDP_HOTFIX_TEST_CACHE`` (default ``<repo>/.cache/releases``).
+The cache lives in ``$MFSDP_TEST_CACHE`` (default ``<repo>/.cache/releases``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("MFSDP_HOTFIX_TEST_CACHE", REPO / ".cache" / "releases"))
+CACHE = Path(os.environ.get("MFSDP_TEST_CACHE", REPO / ".cache" / "releases"))
 
 MEGATRON_FSDP = ["0.1.0", "0.2.0", "0.2.1", "0.2.2", "0.2.3", "0.3.0", "0.3.1", "0.4.0",
                  "0.5.0", "0.5.1", "0.6.0", "0.6.1"]

@@ -26,8 +26,9 @@ def status(*path: Path, env: dict[str, str] | None = None, check: bool = True
 def test_schema_of_a_patched_install(fsdp_release) -> None:
     code, data = status(fsdp_release("0.5.1"))
     assert code == 0 and data["unfixed"] == []
-    assert set(data) >= {"mfsdp_hotfix", "installed", "loaded_via", "settings", "copies",
-                         "failures", "bootstrap", "unfixed"}
+    assert set(data) >= {"mfsdp_hotfix", "scope", "hotfix", "hotfix_meaning", "loaded_via",
+                         "settings", "copies", "failures", "bootstrap", "unfixed"}
+    assert data["hotfix"] == "not loaded" and data["loaded_via"] is None  # no .pth on this path
     assert set(data["bootstrap"]) == {"pth_files", "pth_active", "sitecustomize_on_pythonpath",
                                       "variables"}
     (copy,) = data["copies"]
@@ -41,6 +42,23 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
 def test_switched_off_install_fails_the_check(fsdp_release) -> None:
     code, data = status(fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"})
     assert code == 1 and "MFSDP_HOTFIX=0" in data["unfixed"][0]
+
+
+def test_switched_off_says_off_everywhere(fsdp_release) -> None:
+    """Off is off: no fix "would apply" under MFSDP_HOTFIX=0, in the JSON or the text."""
+    _, data = status(fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"})
+    assert data["hotfix"] == "off"
+    assert {fix["state"] for fix in data["copies"][0]["fixes"].values()} == {"off"}
+    proc = run_python("", fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"},
+                      args=("-m", "mfsdp_hotfix", "status"))
+    assert "hotfix: off" in proc.stdout and "would apply" not in proc.stdout
+    assert "getter-guard: off (MFSDP_HOTFIX=0)" in proc.stdout
+
+
+def test_misspelt_variable_is_named_with_the_closest_known_one(fsdp_release) -> None:
+    _, data = status(fsdp_release("0.5.1"), env={"MFSDP_HOTFIX_TIMEOUT": "-3"})
+    (problem,) = data["settings"]["problems"]
+    assert "MFSDP_HOTFIX_TIMEOUT" in problem and "MFSDP_HOTFIX_CROSS_RANK_TIMEOUT" in problem
 
 
 def test_disabled_fix_fails_the_check(fsdp_release) -> None:
@@ -75,5 +93,22 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
     if path_kind == "release":
         assert "megatron-fsdp 0.4.0: era A" in proc.stdout
         assert "getter-guard: would apply" in proc.stdout
+        # Shape names are explained, not left to read like version numbers.
+        assert "main_grad_getter as in 0.17" in proc.stdout
+        assert "'0.17' means 'as shipped in release 0.17'" in proc.stdout
     else:
         assert "no Megatron-FSDP copy found" in proc.stdout
+
+
+def test_selftest_help_explains_every_option() -> None:
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "selftest", "--help"))
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "vendored in megatron-core" in text and "installs nothing" in text
+    assert "selftest: PASS" in text
+
+
+def test_selftest_without_torch_says_fail_and_installs_nothing() -> None:
+    proc = run_python("", args=("-c", NO_TORCH, "selftest"))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("selftest: FAIL: no torch") and "pip install" not in proc.stderr

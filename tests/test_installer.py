@@ -51,7 +51,35 @@ def test_import_order(fsdp051: Path, order: str) -> None:
     data = report(run_python(imports + REPORT, fsdp051))
     assert data["drain"] == "ordered-drain" and data["init"] == "getter-guard"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied"}
-    assert data["status"]["loaded_via"] == "import"
+    assert data["status"]["loaded_via"] == "import" and data["status"]["hotfix"] == "active"
+
+
+def test_armed_before_megatron_is_imported(fsdp051: Path) -> None:
+    """Right after ``import mfsdp_hotfix`` the API already says what would apply, in the same
+    words as the CLI: armed, and each fix 'would apply' to the installed copy."""
+    code = """
+import json, sys, mfsdp_hotfix
+before = mfsdp_hotfix.status()
+assert "megatron_fsdp" not in sys.modules
+import megatron_fsdp.megatron_fsdp
+print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()}))
+"""
+    data = report(run_python(code, fsdp051))
+    before = data["before"]
+    assert (before["hotfix"], before["loaded_via"]) == ("armed", "import")
+    (copy,) = before["copies"]
+    assert copy["imported"] is False
+    assert {fix["state"] for fix in copy["fixes"].values()} == {"would apply"}
+    assert data["status"]["hotfix"] == "active"
+    assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied"}
+
+
+def test_misspelt_variable_warns_once_at_install(fsdp051: Path) -> None:
+    proc = run_python("import mfsdp_hotfix\n" + REPORT, fsdp051,
+                      env={"MFSDP_HOTFIX_TIMEOUT": "-3"})
+    assert report(proc)["drain"] == "ordered-drain"
+    assert proc.stderr.count("MFSDP_HOTFIX_TIMEOUT is not a variable") == 1, proc.stderr
+    assert "did you mean MFSDP_HOTFIX_CROSS_RANK_TIMEOUT?" in proc.stderr
 
 
 def test_era_c_keeps_its_own_getter(fsdp_release) -> None:
@@ -98,7 +126,7 @@ assert mfsdp_hotfix.uninstall() is True
 restored = pgb.GradReducePipeline.__dict__["_enforce_double_buffer_limit"]
 assert restored is first.__wrapped__ and type(restored).__name__ == "function"
 assert type(mf.MegatronFSDP.__dict__["_init_fsdp_param_and_grad_buffer"]).__name__ == "function"
-assert mfsdp_hotfix.status()["installed"] is False
+assert mfsdp_hotfix.status()["hotfix"] == "uninstalled"
 assert mfsdp_hotfix.install() is True
 again = pgb.GradReducePipeline.__dict__["_enforce_double_buffer_limit"]
 assert again is not first and again.__wrapped__ is restored

@@ -44,3 +44,19 @@ def test_garbage_gives_one_clear_problem_and_the_default(name: str, value: str, 
     assert len(found.problems) == 1
     assert name in found.problems[0] and repr(value.split(",")[-1]) in found.problems[0] or \
         "bogus" in found.problems[0]
+
+
+@pytest.mark.parametrize("name, closest", [
+    ("MFSDP_HOTFIX_TIMEOUT", "MFSDP_HOTFIX_CROSS_RANK_TIMEOUT"),
+    ("MFSDP_HOTFIX_DISABLE_FIXES", "MFSDP_HOTFIX_DISABLED_FIXES"),
+    ("MFSDP_HOTFIXX", "MFSDP_HOTFIX"),
+])
+def test_unknown_name_is_named_with_the_closest_known_one(name: str, closest: str) -> None:
+    found = read(**{name: "-3"})
+    assert found == settings.Settings()  # ignored ...
+    (problem,) = found.problems  # ... but never in silence
+    assert problem.startswith(f"{name} is not a variable") and f"did you mean {closest}?" in problem
+
+
+def test_every_known_name_is_quiet() -> None:
+    assert not read(**{name: "" for name in settings.ALL_VARIABLES}).problems

@@ -39,6 +39,30 @@ def verdict(result: CaseResult) -> str:
     return "ok"
 
 
+def conclusion(runs: list[tuple[str, CaseResult]]) -> tuple[bool, str]:
+    """The selftest's one verdict: PASS when the run with the hotfix is ``ok``.
+
+    The last line of the output, ``selftest: PASS: ...`` or ``selftest: FAIL: ...``, is made
+    for scripts (grep it, or use the exit status, 0 for PASS).
+    """
+    outcome = dict(runs)
+    after, before = outcome["with hotfix"], outcome.get("without hotfix")
+    passed = verdict(after) == "ok"
+    release = after.release or (before.release if before else {}) or {}
+    what = (f"{release.get('dist')} {release.get('version')}" if release.get("dist")
+            else "Megatron-FSDP")
+    if passed:
+        detail = (f"with the hotfix, {what} ran without a crash, gradients equal plain PyTorch "
+                  f"and {after.ordering_checks or 0} buffer slot reuse(s) were all ordered")
+    else:
+        detail = f"with the hotfix, {what}: {verdict(after)}: {_MEANING[verdict(after)]}"
+        if after.exception:
+            detail += f" ({after.exception.splitlines()[0][:200]})"
+    if before is not None:
+        detail += f"; without it: {verdict(before)}"
+    return passed, f"selftest: {'PASS' if passed else 'FAIL'}: {detail}"
+
+
 def _cell(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -84,7 +108,7 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
         case = CaseSpec(**{**base.__dict__, "hotfix": mode})
         tick = _ticker(stream, name) if progress else None
         if progress:
-            stream.write(f"selftest: running {name} ({case.label()}) ...\n")
+            stream.write(f"selftest: running {name}: {case.label()} ...\n")
             stream.flush()
         result = runner(case, tick)
         runs.append((name, result))
@@ -96,6 +120,7 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
         stream.write(f"Megatron-FSDP: {release.get('dist')} {release.get('version')} "
                      f"({release.get('flavour')}) at {release.get('path')}\n")
     stream.write(format_table(runs) + "\n")
+    stream.write(conclusion(runs)[1] + "\n")
     stream.flush()
     return runs
 

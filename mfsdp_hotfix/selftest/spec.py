@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FLAVOURS = ("auto", "standalone", "core")
+ZERO_STAGE = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 HOTFIX_MODES = ("on", "off")
 
 
@@ -51,17 +52,21 @@ class CaseSpec:
         return cls(**json.loads(text))
 
     def label(self) -> str:
-        where = self.path or "importable"
-        bits = [self.flavour, where.rsplit("/", 1)[-1], f"hotfix={self.hotfix}"]
+        """Plain words for progress lines and failed assertions."""
+        copy = {"auto": "the Megatron-FSDP copy importable here",
+                "standalone": "megatron-fsdp", "core": "megatron-core's vendored copy"}
+        hotfix = {"on": "hotfix on", "off": "hotfix off (MFSDP_HOTFIX=0)",
+                  "late": "hotfix loaded after the model was built"}
+        bits = [copy.get(self.flavour, self.flavour)
+                + (f" from {self.path}" if self.path else ""), hotfix.get(self.hotfix, self.hotfix)]
         if self.disabled_fixes:
-            bits.append(f"disabled={self.disabled_fixes}")
-        if not self.double_buffer:
-            bits.append("no-double-buffer")
-        if self.strategy != "optim_grads_params":
-            bits.append(self.strategy)
+            bits.append(f"fixes disabled: {self.disabled_fixes}")
+        bits.append(f"ZeRO-{ZERO_STAGE.get(self.strategy, self.strategy)}")
+        bits.append("double buffer" if self.double_buffer else "no double buffer")
+        bits.append(f"{self.units} units, {self.microbatches} microbatch(es)")
         if self.linear != "emulated":
             bits.append(f"linear={self.linear}")
-        return " ".join(bits)
+        return ", ".join(bits)
 
 
 @dataclass

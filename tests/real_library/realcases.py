@@ -27,12 +27,12 @@ _cache: dict[str, CaseResult] = {}
 
 # megatron-core 0.17.1 holds megatron-fsdp 0.4.0's code and 0.19.2 holds 0.6.1's; each of their
 # cases costs about 20 s (importing megatron.core), so they run only when asked for.
-EXTENDED = os.environ.get("MFSDP_HOTFIX_TEST_ALL_RELEASES", "") not in ("", "0")
+EXTENDED = os.environ.get("MFSDP_TEST_ALL_RELEASES", "") not in ("", "0")
 
 
 def extended(*values: Any, id: str) -> Any:  # noqa: A002 - pytest's name
     marks = [] if EXTENDED else [pytest.mark.skip(
-        reason="same code as a standalone release; set MFSDP_HOTFIX_TEST_ALL_RELEASES=1")]
+        reason="same code as a standalone release; set MFSDP_TEST_ALL_RELEASES=1")]
     return pytest.param(*values, id=id, marks=marks)
 
 

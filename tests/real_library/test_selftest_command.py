@@ -29,6 +29,7 @@ def test_before_after_on_an_era_a_release() -> None:
     lines = table.splitlines()
     assert lines[2].split()[:4] == ["without", "hotfix", "CRASH", "yes"]
     assert lines[3].split()[:4] == ["with", "hotfix", "ok", "no"]
+    assert text.splitlines()[-1].startswith("selftest: PASS: with the hotfix, megatron-fsdp 0.4.0")
 
 
 def test_nothing_importable_is_reported_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,3 +40,19 @@ def test_nothing_importable_is_reported_not_hidden(monkeypatch: pytest.MonkeyPat
         assert result.crashed
         assert "no Megatron-FSDP copy is importable" in (result.exception or ""), describe(result)
     assert "CRASH" in out.getvalue()
+    assert out.getvalue().splitlines()[-1].startswith("selftest: FAIL: ")
+
+
+def test_cli_exit_status_and_json_verdict(tmp_path) -> None:
+    """``mfsdp-hotfix selftest --json``: the JSON on stdout carries the verdict, the last line of
+    stderr is the PASS/FAIL line, and the exit status matches it."""
+    import json
+
+    from conftest import run_python
+
+    proc = run_python("", release_path("megatron-fsdp", "0.5.1"),
+                      args=("-m", "mfsdp_hotfix", "selftest", "--json"), timeout=600)
+    data = json.loads(proc.stdout)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert data["verdict"] == "PASS" and last == data["conclusion"], proc.stderr[-3000:]
+    assert last.startswith("selftest: PASS: ") and proc.returncode == 0

@@ -29,3 +29,27 @@ def test_verdicts_and_legend() -> None:
     assert "without hotfix: AssertionError: No buffer found" in lines
     for verdict in ("CRASH:", "UNORDERED:", "WRONG GRADS:", "ok:"):
         assert any(line.startswith(verdict) for line in lines), verdict
+
+
+def test_conclusion_is_one_greppable_line() -> None:
+    from mfsdp_hotfix.selftest.selftest import conclusion
+
+    release = {"dist": "megatron-fsdp", "version": "0.4.0"}
+    crashed = _result(crashed=True, exception="AssertionError: No buffer found", release=release)
+    fine = _result(crashed=False, max_abs_grad_error=0.0, ordering_checks=36,
+                   ordering_violations=0, release=release)
+    unordered = _result(crashed=False, max_abs_grad_error=0.0, ordering_checks=36,
+                        ordering_violations=24, release=release)
+    passed, line = conclusion([("without hotfix", crashed), ("with hotfix", fine)])
+    assert passed and line.startswith("selftest: PASS: with the hotfix, megatron-fsdp 0.4.0")
+    assert "36 buffer slot reuse(s) were all ordered" in line and line.endswith("without it: CRASH")
+    passed, line = conclusion([("without hotfix", unordered), ("with hotfix", unordered)])
+    assert not passed and line.startswith("selftest: FAIL: with the hotfix, megatron-fsdp 0.4.0: "
+                                          "UNORDERED")
+    assert "\n" not in line
+
+
+def test_case_labels_are_plain_words() -> None:
+    label = CaseSpec(hotfix="off").label()
+    assert label == ("the Megatron-FSDP copy importable here, hotfix off (MFSDP_HOTFIX=0), ZeRO-3, "
+                     "double buffer, 5 units, 2 microbatch(es)")

@@ -1,0 +1,117 @@
+"""What the hotfix did and would do, in one vocabulary for the API, the CLI and the README.
+
+Three questions, three words, never mixed:
+
+* the process (``status()["hotfix"]``): ``off``, ``armed``, ``active`` or ``uninstalled``
+  (``mfsdp-hotfix status`` speaks of a new process, which may also be ``not loaded``);
+* each fix on each copy (``copies[].fixes[id].state``): ``applied`` (to that imported copy),
+  ``would apply`` (once that copy is imported), ``not needed``, ``disabled``, ``failed``, ``off``;
+* how ``mfsdp_hotfix`` came into the process (``loaded_via``): ``import``, ``pth`` or
+  ``sitecustomize``.
+
+A copy that is installed but not imported yet is read from its source file (no torch needed), so
+``status()`` right after ``import mfsdp_hotfix`` already says what would apply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import __version__, detection, incidents, installer, registry, trigger
+from . import settings as settings_module
+from .installer import CopyRecord
+from .registry import Copy
+
+HOTFIX_STATES = {
+    "off": f"{settings_module.SWITCH}=0 switches every fix off",
+    "armed": "loaded; the fixes are applied when Megatron-FSDP is imported",
+    "active": "Megatron-FSDP is imported; each copy's fixes are applied as listed",
+    "uninstalled": "mfsdp_hotfix.uninstall() restored the originals; install() applies the "
+                   "fixes again",
+    "not loaded": "mfsdp_hotfix is loaded only where a script imports it (no .pth or "
+                  "sitecustomize bootstrap here; see `mfsdp-hotfix run`)",
+}
+FIX_STATES = {
+    "applied": "applied to this imported copy",
+    installer.WOULD_APPLY: "applied as soon as this copy is imported",
+    "not needed": "this copy's code does not have the defect the fix repairs",
+    "disabled": f"listed in {settings_module.DISABLED_FIXES}",
+    "failed": "the fix raised inside the hotfix and was switched off; the code runs as shipped",
+    "off": f"{settings_module.SWITCH}=0",
+}
+SHAPE_MEANING = ("a code shape names the release whose code a function matches exactly: "
+                 "'0.17' means 'as shipped in release 0.17'")
+
+
+def status() -> dict[str, Any]:
+    """What was detected and applied, and why, as plain data (also ``mfsdp-hotfix status``)."""
+    settings, installed, records = installer.view()
+    settings = settings or settings_module.read(known_fixes=registry.FIX_IDS)
+    copies = [_record_dict(record) for record in records]
+    seen = {record.detection.copy.package for record in records}
+    for copy in registry.COPIES:
+        if copy.package not in seen:
+            copies.extend(_not_imported(copy, settings))
+    state = _hotfix_state(settings, installed, records)
+    return {
+        "mfsdp_hotfix": __version__,
+        "hotfix": state,
+        "hotfix_meaning": HOTFIX_STATES[state],
+        "loaded_via": trigger.loaded_via,
+        "settings": {"mode": settings.mode, "disabled_fixes": sorted(settings.disabled_fixes),
+                     "cross_rank_check": settings.cross_rank_check,
+                     "problems": list(settings.problems)},
+        "copies": copies,
+        "failures": incidents.failures(),
+    }
+
+
+def summary() -> str:
+    """One line: what this process patched."""
+    parts = []
+    for record in installer.view()[2]:
+        found = record.detection
+        applied = ", ".join(record.applied) or "nothing to apply"
+        parts.append(f"{found.copy.label} {found.version or '?'} "
+                     + (f"era {found.era.name}: {applied}" if found.era else "REFUSED"))
+    return "mfsdp_hotfix: " + ("; ".join(parts) or "no Megatron-FSDP copy imported")
+
+
+def applied_fingerprint() -> dict[str, Any]:
+    """The short description of this process's patching that ranks compare."""
+    _, installed, records = installer.view()
+    return {"mfsdp_hotfix": __version__, "installed": installed,
+            "copies": sorted(
+                (r.detection.copy.package, r.detection.version or "?",
+                 r.detection.era.name if r.detection.era else "refused",
+                 ",".join(sorted(r.applied)))
+                for r in records)}
+
+
+def _hotfix_state(settings: settings_module.Settings, installed: bool,
+                  records: list[CopyRecord]) -> str:
+    if not settings.enabled:
+        return "off"
+    if installed:
+        return "active" if records else "armed"
+    return "armed" if trigger.armed() else "uninstalled"
+
+
+def _record_dict(record: CopyRecord) -> dict[str, Any]:
+    return {**record.detection.as_dict(), "imported": True,
+            "fixes": {k: {"state": s, "reason": r} for k, (s, r) in record.fixes.items()},
+            "models_repaired": record.models_repaired}
+
+
+def _not_imported(copy: Copy, settings: settings_module.Settings) -> list[dict[str, Any]]:
+    """Offline detection of a copy that is installed but not imported (no torch needed)."""
+    buffer_file = detection.find_installed(copy)
+    if buffer_file is None:
+        return []
+    found = detection.detect_file(copy, buffer_file)
+    fixes: dict[str, dict[str, str]] = {}
+    for fix in [] if found.refused else registry.FIXES:
+        state, reason = installer.fix_state(fix, found, settings)
+        fixes[fix.id] = {"state": state,
+                         "reason": fix.summary if state == installer.WOULD_APPLY else reason}
+    return [{**found.as_dict(), "imported": False, "fixes": fixes, "models_repaired": 0}]
