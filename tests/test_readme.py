@@ -1,0 +1,89 @@
+"""The README is exactly true: its vocabulary is the API's, and its install lines do what it says.
+
+The install test runs the README's own commands: the fresh-machine route (a new virtual
+environment with the ``selftest`` extra, then the selftest) and, in that environment once it holds
+megatron-fsdp 0.5.1 like a training image, the plain install line, which must change neither torch
+nor megatron-fsdp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import releases
+from conftest import REPO
+
+from mfsdp_hotfix import reporting
+
+README = (REPO / "README.md").read_text()
+
+
+def section(title: str) -> str:
+    match = re.search(rf"^## {re.escape(title)}.*?$(.*?)(?=^## )", README, re.M | re.S)
+    assert match, f"README has no section {title!r}"
+    return match.group(1)
+
+
+def shell_lines(text: str) -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    return [line.split("#")[0].strip() for block in blocks for line in block.splitlines()
+            if line.split("#")[0].strip()]
+
+
+def table(first_header: str) -> dict[str, str]:
+    rows = re.findall(rf"^\| {re.escape(first_header)} \| meaning \|\n\|---\|---\|\n((?:\|.*\n)+)",
+                      README, re.M)
+    assert rows, f"README has no table headed {first_header!r}"
+    out = {}
+    for row in rows[0].splitlines():
+        word, meaning = (cell.strip() for cell in row.strip("|").split("|", 1))
+        out[word.strip("`")] = meaning.replace("`", "")
+    return out
+
+
+def test_the_readme_speaks_the_apis_words() -> None:
+    hotfix = table("`hotfix`")
+    assert set(hotfix) == set(reporting.HOTFIX_STATES)
+    for word, meaning in reporting.HOTFIX_STATES.items():
+        assert meaning.replace("`", "") in hotfix[word], word
+    assert table("fix state, per copy") == {w: m.replace("`", "")
+                                            for w, m in reporting.FIX_STATES.items()}
+
+
+def freeze(pip: Path) -> dict[str, str]:
+    out = subprocess.run([str(pip), "list", "--format=json"], capture_output=True, text=True,
+                         check=True).stdout
+    return {d["name"].lower().replace("_", "-"): d["version"] for d in json.loads(out)}
+
+
+@pytest.mark.slow
+def test_install_lines_leave_a_training_environment_alone(tmp_path: Path) -> None:
+    (fresh,) = shell_lines(section("Try it"))
+    venv = tmp_path / "try"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MFSDP_HOTFIX", "VIRTUAL_ENV", "PYTHONPATH"))}
+    proc = subprocess.run(fresh.replace("/tmp/mfsdp-try", str(venv)), shell=True, cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("selftest: PASS: "), proc.stdout
+
+    # That environment now trains with megatron-fsdp 0.5.1, as a user's image would.
+    pip = venv / "bin" / "pip"
+    wheel = releases.wheel("megatron-fsdp", "0.5.1")
+    subprocess.run([str(pip), "install", "--quiet", "--no-deps", str(wheel)], check=True)
+    before = freeze(pip)
+    assert before["megatron-fsdp"] == "0.5.1" and before["torch"].startswith("2.13.0")
+    install = [line for line in shell_lines(section("Install (training images)"))
+               if line.startswith("pip install")]
+    assert install == ["pip install ."]
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    for line in install:
+        subprocess.run(line, shell=True, cwd=REPO, env=env, check=True, capture_output=True)
+    after = freeze(pip)
+    assert {k: after.get(k) for k in ("torch", "megatron-fsdp")} == \
+        {k: before[k] for k in ("torch", "megatron-fsdp")}
