@@ -124,11 +124,8 @@ def _format(data: dict[str, Any]) -> str:
                      + (f"REFUSED: {copy['reason']}" if copy["refused"] else
                         f"era {copy['era']}, {copy['defect']}"))
         lines.append(f"    path: {copy['path']}")
-        shapes = ", ".join(f"{k.rsplit('.', 1)[-1]} as in {v}" if v else
-                           f"{k.rsplit('.', 1)[-1]} unknown"
-                           for k, v in copy["shapes"].items())
-        if shapes:
-            lines.append(f"    code shapes: {shapes}")
+        for name, found in copy["functions"].items():
+            lines.append(f"    {_shape_line(name, found, copy['fingerprints'].get(name))}")
         for note in copy["notes"]:
             lines.append(f"    note: {note}")
         for fix, state in copy["fixes"].items():
@@ -139,6 +136,18 @@ def _format(data: dict[str, Any]) -> str:
         lines.append("Left unfixed:")
         lines += [f"  {p}" for p in data["unfixed"]]
     return "\n".join(lines)
+
+
+def _shape_line(qualname: str, found: dict[str, Any], fingerprint: str | None) -> str:
+    """``main_grad_getter: as shipped in 0.17 (megatron-core 0.17.0-0.18.2, ...; unguarded)``."""
+    name = qualname.rsplit(".", 1)[-1]
+    if found["shape"] is None:
+        return f"{name}: unknown shape (" + (f"fingerprint {fingerprint[:12]})" if fingerprint
+                                             else "not found)")
+    if found["as_shipped_in"]:
+        return (f"{name}: as shipped in {found['shape']} ({found['as_shipped_in']}; "
+                f"{found['implies']})")
+    return f"{name}: {found['shape']}, recognised by {found['matched_by']} ({found['implies']})"
 
 
 def _selftest(path: str | None, flavour: str, as_json: bool) -> int:

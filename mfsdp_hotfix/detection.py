@@ -1,10 +1,13 @@
-"""Classify one imported copy of Megatron-FSDP: which era it belongs to, or why it is refused.
+"""Classify one imported copy of Megatron-FSDP: the shape of each function the fixes rest on, the
+era those shapes form, or why the copy is refused.
 
-Two independent facts must agree: the distribution's release (from its metadata) and the code
-shape of the three functions the fixes depend on (from their source). A known release whose shape
-is not the one that release shipped is a backport or a fork: refused. A shape the registry does
-not know is refused. A known shape on a release the registry has not seen (a release candidate, a
-source checkout without metadata, a later patch release) is patched on its shape, and says so.
+Each of the three functions is judged by its own code: a fingerprint of its text, or for a getter
+rewritten in other words, its structure (:mod:`.structure`). The fixes follow the shapes. The
+release label only corroborates: a "verified release" is a final release label the registry
+knows whose every function has the shape that release shipped. A known release whose code has
+other known shapes is a backport or a fork and is fixed by its shapes, with a note; a
+pre-release, dev, local (git) label or no metadata at all is judged by code shape alone. A shape
+the registry does not know, in a function that a fix replaces or relies on, refuses the copy.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from . import fingerprints, registry, versions
-from .registry import Copy, Era
+from . import fingerprints, registry, structure, versions
+from .registry import Copy, Era, Fix, Shape
+
+FINGERPRINT, STRUCTURE = "fingerprint", "structure"
 
 
 @dataclass(frozen=True)
@@ -26,15 +31,26 @@ class Detection:
     copy: Copy
     module_path: str
     version: str | None
-    shapes: dict[str, str | None]
+    shapes: dict[str, Shape | None]
+    matched_by: dict[str, str | None]  # FINGERPRINT, STRUCTURE or None (unknown)
     fingerprints: dict[str, str | None]
     era: Era | None
     reason: str
     notes: tuple[str, ...] = field(default=())
+    verified_release: bool = False
 
     @property
     def refused(self) -> bool:
         return self.era is None
+
+    @property
+    def label_kind(self) -> str:
+        return versions.label_kind(self.version)
+
+    def needs(self, fix: Fix) -> bool:
+        """Whether this (not refused) copy's shapes need ``fix``."""
+        known = {name: shape for name, shape in self.shapes.items() if shape is not None}
+        return registry.needed(fix, known)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -43,12 +59,17 @@ class Detection:
             "path": self.module_path,
             "distribution": self.copy.distribution,
             "version": self.version,
+            "label_kind": self.label_kind,
+            "verified_release": self.verified_release,
             "era": self.era.name if self.era else None,
             "defect": self.era.defect if self.era else None,
             "refused": self.refused,
             "reason": self.reason,
             "notes": list(self.notes),
-            "shapes": dict(self.shapes),
+            "shapes": {name: shape.name if shape else None
+                       for name, shape in self.shapes.items()},
+            "functions": {name: _describe(name, shape, self.matched_by.get(name))
+                          for name, shape in self.shapes.items()},
             "fingerprints": dict(self.fingerprints),
         }
 
@@ -56,9 +77,9 @@ class Detection:
 def detect_module(copy: Copy, buffer_module: ModuleType) -> Detection:
     """Classify ``copy`` from its imported ``param_and_grad_buffer`` module; never raises."""
     path = str(Path(getattr(buffer_module, "__file__", "") or "?").parent)
-    prints, problems = _fingerprint(lambda qualname: fingerprints.source_of(
+    sources, problems = _sources(lambda qualname: fingerprints.source_of(
         _resolve(buffer_module, qualname)))
-    return _classify(copy, path, prints, problems)
+    return _classify(copy, path, sources, problems)
 
 
 def detect_file(copy: Copy, buffer_file: Path) -> Detection:
@@ -67,8 +88,8 @@ def detect_file(copy: Copy, buffer_file: Path) -> Detection:
         tree = fingerprints.parse_file(buffer_file)
     except fingerprints.SourceUnavailable as exc:
         return _classify(copy, str(buffer_file.parent), {}, [str(exc)])
-    prints, problems = _fingerprint(tree.source)
-    return _classify(copy, str(buffer_file.parent), prints, problems)
+    sources, problems = _sources(tree.source)
+    return _classify(copy, str(buffer_file.parent), sources, problems)
 
 
 def find_installed(copy: Copy, search_path: list[str] | None = None) -> Path | None:
@@ -81,45 +102,88 @@ def find_installed(copy: Copy, search_path: list[str] | None = None) -> Path | N
     return None
 
 
-def _classify(copy: Copy, path: str, prints: dict[str, str | None], problems: list[str]
+def match(qualname: str, source: str) -> tuple[Shape | None, str | None]:
+    """The registry's shape of one function's source, and how it was recognised."""
+    printed = fingerprints.fp_code(source)
+    for shape in registry.SHAPES[qualname]:
+        if shape.fingerprint == printed:
+            return shape, FINGERPRINT
+    for shape in registry.SHAPES[qualname]:
+        if shape.structure and getattr(structure, shape.structure)(source):
+            return shape, STRUCTURE
+    return None, None
+
+
+def _classify(copy: Copy, path: str, sources: dict[str, str | None], problems: list[str]
               ) -> Detection:
     version = versions.installed_version(copy.distribution, near=_sys_path_entry(copy, path))
-    shapes = {name: registry.SHAPES[name].get(fp) if fp else None for name, fp in prints.items()}
+    prints = {name: fingerprints.fp_code(src) if src is not None else None
+              for name, src in sources.items()}
+    found = {name: match(name, src) if src is not None else (None, None)
+             for name, src in sources.items()}
+    shapes = {name: shape for name, (shape, _) in found.items()}
+    how = {name: way for name, (_, way) in found.items()}
 
-    def verdict(era: Era | None, reason: str, *notes: str) -> Detection:
-        return Detection(copy, path, version, shapes, prints, era, reason, tuple(notes))
+    def verdict(era: Era | None, reason: str, *notes: str, verified: bool = False
+                ) -> Detection:
+        return Detection(copy, path, version, shapes, how, prints, era, reason, notes, verified)
 
     if problems:
         return verdict(None, "cannot read the code to verify its shape: " + "; ".join(problems)
                        + ". Install Megatron-FSDP with its .py sources")
-    getter, drain = shapes[registry.GETTER], shapes[registry.DRAIN]
-    era = next((e for e in registry.ERAS
-                if (e.getter_shape, e.drain_shape) == (getter, drain)), None)
-    unknown = [name.split(".")[-1] for name, shape in shapes.items() if shape is None]
-    if era is None or unknown:
-        what = ", ".join(unknown) or f"the combination getter {getter} / drain {drain}"
-        return verdict(None, f"unrecognised code shape ({what}): a fork, a backport or a newer "
-                       "release. Nothing was patched; report the fingerprints from "
-                       "`mfsdp-hotfix status` to the mfsdp-hotfix maintainers, or upgrade "
-                       "mfsdp-hotfix")
-    release = versions.release_tuple(version)
-    if release is None:
-        return verdict(era, f"era {era.name} by code shape",
-                       f"no usable {copy.distribution} version metadata ({version!r}); "
-                       "recognised by code shape alone")
-    expected = _era_of_release(copy.distribution, release)
-    if expected is None:
-        return verdict(era, f"era {era.name} by code shape",
-                       f"{copy.distribution} {version} is not among the releases this hotfix "
-                       "was verified on; its code shape is identical to a verified one")
-    if expected.name != era.name or (expected.getter_shape, expected.drain_shape) != (getter,
-                                                                                      drain):
-        return verdict(None, f"{copy.distribution} {version} shipped the era-{expected.name} "
-                       f"shape (getter {expected.getter_shape}, drain {expected.drain_shape}) "
-                       f"but this copy has getter {getter}, drain {drain}: modified code "
-                       "(backport or fork). Nothing was patched; report it with "
-                       "`mfsdp-hotfix status --json`")
-    return verdict(era, f"era {era.name}: verified release {copy.distribution} {version}")
+    relied_on = {name for fix in registry.FIXES for name in fix.depends_on}
+    unknown = [name for name in registry.FUNCTIONS if shapes.get(name) is None
+               and name in relied_on]
+    if unknown:
+        what = "; ".join(f"{registry.short_name(name)} (" + _fingerprint_or_missing(prints[name])
+                         + ")" for name in unknown)
+        return verdict(None, f"unrecognised code shape in {what}, which the fixes replace or "
+                       "rely on: a fork, a backport or a newer release. Nothing was patched; "
+                       "report the fingerprints from `mfsdp-hotfix status --json` to the "
+                       "mfsdp-hotfix maintainers, or upgrade mfsdp-hotfix")
+    known = {name: shape for name, shape in shapes.items() if shape is not None}
+    era = registry.era_of(known[registry.GETTER], known[registry.DRAIN])
+    release = versions.final_release(version)
+    shipped = registry.RELEASES.get((copy.distribution, release or ""))
+    if shipped is None:
+        return verdict(era, f"era {era.name} by code shape", _label_note(copy, version))
+    if shipped == {name: shape.name for name, shape in known.items()}:
+        return verdict(era, f"era {era.name}: verified release {copy.distribution} {version}",
+                       verified=True)
+    differs = ", ".join(f"{registry.short_name(name)} as in {shipped[name]}, this copy's as in "
+                        f"{shape.name}" for name, shape in known.items()
+                        if shape.name != shipped[name])
+    return verdict(era, f"era {era.name} by code shape ({copy.distribution} {version} with "
+                   "code that release did not ship: a backport or a fork)",
+                   f"{copy.distribution} {version} shipped {differs}: the code is not what that "
+                   "release shipped, so the fixes follow the code's own shapes")
+
+
+def _fingerprint_or_missing(printed: str | None) -> str:
+    return f"fingerprint {printed[:12]}" if printed else "not found"
+
+
+def _label_note(copy: Copy, version: str | None) -> str:
+    kind = versions.label_kind(version)
+    if kind == versions.NONE:
+        label = f"no {copy.distribution} version metadata"
+    elif kind == versions.INVALID:
+        label = f"{copy.distribution} version {version!r} is not a PEP 440 label"
+    elif kind == versions.RELEASE:
+        label = (f"{copy.distribution} {version} is not among the releases this hotfix was "
+                 "verified on")
+    else:
+        label = f"{copy.distribution} {version} is a {kind} label, not a release"
+    return f"{label}: judged by code shape alone"
+
+
+def _describe(qualname: str, shape: Shape | None, how: str | None) -> dict[str, object]:
+    """One function's match for status: which shape, how it was recognised, what it implies."""
+    if shape is None:
+        return {"shape": None, "matched_by": None, "as_shipped_in": None, "implies": None}
+    return {"shape": shape.name, "matched_by": how,
+            "as_shipped_in": registry.shipped_in(qualname, shape) if shape.fingerprint else None,
+            "implies": shape.implies()}
 
 
 def refusal(module_name: str, module: ModuleType) -> Detection:
@@ -128,22 +192,22 @@ def refusal(module_name: str, module: ModuleType) -> Detection:
     copy = Copy(label, module_name.rsplit(".", 1)[0], "megatron-core")
     version = versions.installed_version(copy.distribution)
     return Detection(copy, str(Path(getattr(module, "__file__", "") or "?").parent), version,
-                     {}, {}, None, why)
+                     {}, {}, {}, None, why)
 
 
-def _fingerprint(source: Callable[[str], str]) -> tuple[dict[str, str | None], list[str]]:
-    """Fingerprint each target; a missing function gives None, unreadable code a problem."""
-    prints: dict[str, str | None] = {}
+def _sources(source: Callable[[str], str]) -> tuple[dict[str, str | None], list[str]]:
+    """Each target's source; a missing function gives None, unreadable code a problem."""
+    sources: dict[str, str | None] = {}
     problems: list[str] = []
-    for qualname in (registry.GETTER, registry.DRAIN, registry.WAIT):
+    for qualname in registry.FUNCTIONS:
         try:
-            prints[qualname] = fingerprints.fp_code(source(qualname))
+            sources[qualname] = source(qualname)
         except (AttributeError, KeyError):
-            prints[qualname] = None
+            sources[qualname] = None
         except fingerprints.SourceUnavailable as exc:
-            prints[qualname] = None
+            sources[qualname] = None
             problems.append(str(exc))
-    return prints, problems
+    return sources, problems
 
 
 def _resolve(module: ModuleType, qualname: str) -> object:
@@ -158,14 +222,6 @@ def _resolve(module: ModuleType, qualname: str) -> object:
     if code is None:
         raise AttributeError(f"{outer} defines no {inner}")
     return code
-
-
-def _era_of_release(distribution: str, release: tuple[int, ...]) -> Era | None:
-    for era in registry.ERAS:
-        first, end = era.releases.get(distribution, ((), ()))
-        if first and first <= release < end:
-            return era
-    return None
 
 
 def _sys_path_entry(copy: Copy, package_dir: str) -> str:

@@ -34,8 +34,9 @@ log = logging.getLogger("mfsdp_hotfix")
 # Which fix module patches which of a copy's two modules.
 _FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
                registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module")}
-_NOT_NEEDED = {registry.GETTER_GUARD.id: "the release already guards its getter (upstream "
-                                         "NVIDIA/Megatron-LM#5222)"}
+_NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains before it "
+                                         "allocates, as NVIDIA/Megatron-LM#5222 and "
+                                         "ROCm/Megatron-LM#146 do"}
 
 
 @dataclass
@@ -191,11 +192,10 @@ def _record_for(copy: Copy) -> CopyRecord | None:
 def fix_state(fix: Fix, found: Detection, settings: settings_module.Settings
               ) -> tuple[str, str]:
     """The state a fix starts in for a copy: one of :data:`reporting.FIX_STATES`."""
-    assert found.era is not None
     if not settings.enabled:
         return "off", f"{settings_module.SWITCH}=0"
-    if found.era.name not in fix.eras:
-        return "not needed", _NOT_NEEDED.get(fix.id, f"era {found.era.name} does not need it")
+    if not found.needs(fix):
+        return "not needed", _NOT_NEEDED[fix.id]
     if fix.id in settings.disabled_fixes:
         return "disabled", "listed in MFSDP_HOTFIX_DISABLED_FIXES"
     module_role = _FIX_TARGET[fix.id][1]

@@ -1,16 +1,17 @@
 """What the hotfix knows, declared in one place: the copies it targets, the code shapes it
-recognises, the eras those shapes form, and the fixes each era receives.
+recognises in each of the three functions the fixes rest on (and what each shape implies), the
+releases that shipped which shapes, the eras those shapes form, and the fixes.
 
 Every fingerprint below was computed from the released wheels (see
 ``shared/reference/bug-anatomy.md`` §8 and ``tests/test_detection.py``, which recomputes them).
-Shapes are named after the first release that carries them.
+A shape is named after the first megatron-core release that shipped it: ``"0.17"`` is the code
+as shipped in megatron-core 0.17.0 (and megatron-fsdp 0.4.0); :func:`shipped_in` says where else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-
-Release = tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -51,74 +52,165 @@ REFUSED_MODULES = {
 GETTER = "ParamAndGradBuffer._init_each_parameter_group_buffers.<locals>.main_grad_getter"
 DRAIN = "GradReducePipeline._enforce_double_buffer_limit"
 WAIT = "GradReducePipeline.wait_for_previous_grad_reduce"
+FUNCTIONS = (GETTER, DRAIN, WAIT)
 
-SHAPES: dict[str, dict[str, str]] = {
-    GETTER: {
-        "991107f2e75eaa6e2f5567049a45235be088a70697e281c937dd01ce2e69f495": "0.14",
-        "0480c5a8ac2347fe62a2103b10b13f88a227086cd017499eba3c1b10ae2f07ff": "0.17",
-        "9536069f4985f747be30ef6fd5b73ba366d0325847d531a9af6629d46f4eb02a": "0.19",
-    },
-    DRAIN: {
-        "cc2d1fa2642c351d39147350dafca5a1a00903f1269e5a7fd9308f62e9c1ee85": "0.14",
-        "a1783b8dc8f20c5e639262da00c959dcff7666e0132ad89868340b10cd3c3578": "0.18",
-        "9b70f49286019d5cb6b84bb6e52df6025f9d3c118579eabc67a4aa062ffcb2bd": "0.19",
-    },
-    WAIT: {
-        "18a7000ad753206566df235d409814de9319429954a1f2761717b20d53920b2e": "0.14",
-        "274b821a5fb1391b53f2cc32f68e06300fb7fafb7429e5a54b1f3134b232653f": "0.17",
-    },
+
+def short_name(qualname: str) -> str:
+    """``main_grad_getter``, ``_enforce_double_buffer_limit``, ..."""
+    return qualname.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One known form of one function, and what it implies for the fixes.
+
+    ``fingerprint`` None: recognised by its structure (``structure`` names the test in
+    :mod:`mfsdp_hotfix.structure`), not by its text.
+    """
+
+    name: str
+    fingerprint: str | None = None
+    structure: str | None = None
+    guarded: bool | None = None  # getter: drains the reduce-scatter queue before it allocates
+    drain_stream: str | None = None  # drain: where retired reduce-scatters are waited on,
+    #                                  "caller" (the writer's stream) or "rs_stream"
+    live_units: int | None = None  # drain: units left live, counting the incoming one
+
+    def implies(self) -> str:
+        """What the shape means for the fixes, in a few words."""
+        if self.guarded is not None:
+            return "guarded" if self.guarded else "unguarded"
+        if self.drain_stream is not None:
+            where = "the caller's stream" if self.drain_stream == "caller" else self.drain_stream
+            units = "unit" if self.live_units == 1 else "units"
+            return f"waits on {where}, keeps {self.live_units} {units} live"
+        return "ordered-drain reuses it"
+
+
+SHAPES: dict[str, tuple[Shape, ...]] = {
+    GETTER: (
+        Shape("0.14", "991107f2e75eaa6e2f5567049a45235be088a70697e281c937dd01ce2e69f495",
+              guarded=False),
+        Shape("0.17", "0480c5a8ac2347fe62a2103b10b13f88a227086cd017499eba3c1b10ae2f07ff",
+              guarded=False),
+        Shape("0.19", "9536069f4985f747be30ef6fd5b73ba366d0325847d531a9af6629d46f4eb02a",
+              guarded=True),
+        # ROCm/Megatron-LM PR #146 (a port of NVIDIA #5222), or any getter that calls the drain
+        # before it fetches its bucket: the text varies, the order of the two calls does not.
+        Shape("drains before fetching", structure="drains_before_fetching", guarded=True),
+    ),
+    DRAIN: (
+        Shape("0.14", "cc2d1fa2642c351d39147350dafca5a1a00903f1269e5a7fd9308f62e9c1ee85",
+              drain_stream="caller", live_units=2),
+        Shape("0.18", "a1783b8dc8f20c5e639262da00c959dcff7666e0132ad89868340b10cd3c3578",
+              drain_stream="rs_stream", live_units=1),
+        Shape("0.19", "9b70f49286019d5cb6b84bb6e52df6025f9d3c118579eabc67a4aa062ffcb2bd",
+              drain_stream="rs_stream", live_units=2),
+    ),
+    WAIT: (
+        Shape("0.14", "18a7000ad753206566df235d409814de9319429954a1f2761717b20d53920b2e"),
+        Shape("0.17", "274b821a5fb1391b53f2cc32f68e06300fb7fafb7429e5a54b1f3134b232653f"),
+    ),
 }
+
+# The shapes (getter, drain, wait) each verified release shipped, checked against every wheel by
+# tests/test_detection.py. Only these labels can make a copy a "verified release".
+_SHIPPED = (
+    (("0.14", "0.14", "0.14"),
+     {"megatron-core": "0.14.0 0.15.0 0.15.1 0.15.2 0.15.3 0.16.0 0.16.1",
+      "megatron-fsdp": "0.1.0 0.2.0 0.2.1 0.2.2 0.2.3 0.3.0 0.3.1"}),
+    (("0.17", "0.14", "0.17"), {"megatron-core": "0.17.0 0.17.1", "megatron-fsdp": "0.4.0"}),
+    (("0.17", "0.18", "0.17"),
+     {"megatron-core": "0.18.0 0.18.1 0.18.2", "megatron-fsdp": "0.5.0 0.5.1"}),
+    (("0.19", "0.19", "0.17"),
+     {"megatron-core": "0.19.0 0.19.1 0.19.2", "megatron-fsdp": "0.6.0 0.6.1"}),
+)
+# (distribution, "X.Y.Z") -> {function: shape name}
+RELEASES: dict[tuple[str, str], dict[str, str]] = {
+    (distribution, version): dict(zip(FUNCTIONS, names, strict=True))
+    for names, by_distribution in _SHIPPED
+    for distribution, versions in by_distribution.items()
+    for version in versions.split()
+}
+
+
+def shipped_in(qualname: str, shape: Shape) -> str | None:
+    """``"megatron-core 0.17.0-0.18.2, megatron-fsdp 0.4.0-0.5.1"``; None for a structural one."""
+    parts = []
+    for distribution in ("megatron-core", "megatron-fsdp"):
+        found = sorted((tuple(int(n) for n in version.split(".")), version)
+                       for (dist, version), shapes in RELEASES.items()
+                       if dist == distribution and shapes[qualname] == shape.name)
+        if found:
+            first, last = found[0][1], found[-1][1]
+            parts.append(f"{distribution} {first}" + (f"-{last}" if last != first else ""))
+    return ", ".join(parts) or None
 
 
 @dataclass(frozen=True)
 class Era:
-    """A (getter shape, drain shape) pair, what it does wrong, and the releases that ship it."""
+    """What a combination of getter and drain shapes does wrong (for status; the fixes follow
+    the shapes themselves). ``None`` in a field matches any value."""
 
     name: str
-    getter_shape: str
-    drain_shape: str
     defect: str
-    releases: dict[str, tuple[Release, Release]]  # distribution -> [first, end)
+    guarded: bool | None
+    drain_stream: str | None
+    live_units: int
 
 
 ERAS = (
-    Era("A", "0.14", "0.14", "crash: 'No buffer found for bucket_id' (unguarded getter)",
-        {"megatron-fsdp": ((0, 1, 0), (0, 4, 0)), "megatron-core": ((0, 14, 0), (0, 17, 0))}),
-    Era("A", "0.17", "0.14", "crash: 'No buffer found for bucket_id' (unguarded getter)",
-        {"megatron-fsdp": ((0, 4, 0), (0, 5, 0)), "megatron-core": ((0, 17, 0), (0, 18, 0))}),
-    Era("B", "0.17", "0.18",
-        "silent gradient corruption: a freed slot is rewritten while its reduce-scatter may "
-        "still read it",
-        {"megatron-fsdp": ((0, 5, 0), (0, 6, 0)), "megatron-core": ((0, 18, 0), (0, 19, 0))}),
-    Era("C", "0.19", "0.19",
-        "race when a reduce-scatter is slower than one unit's backward (the drain orders only "
-        "rs_stream)",
-        {"megatron-fsdp": ((0, 6, 0), (0, 7, 0)), "megatron-core": ((0, 19, 0), (0, 20, 0))}),
+    Era("A", "crash: 'No buffer found for bucket_id' (unguarded getter)", False, None, 2),
+    Era("B", "silent gradient corruption: a freed slot is rewritten while its reduce-scatter "
+             "may still read it", None, None, 1),
+    Era("C", "race when a reduce-scatter is slower than one unit's backward (the drain orders "
+             "only rs_stream)", True, "rs_stream", 2),
+    Era("none", "no known defect: the getter drains before it allocates and the drain orders "
+                "the caller's stream", True, "caller", 2),
 )
+
+
+def era_of(getter: Shape, drain: Shape) -> Era:
+    """The era a known getter and drain form (the table covers every pair of known shapes)."""
+    return next(era for era in ERAS
+                if era.guarded in (None, getter.guarded)
+                and era.drain_stream in (None, drain.drain_stream)
+                and era.live_units == drain.live_units)
 
 
 @dataclass(frozen=True)
 class Fix:
-    """One repair, the eras that need it, and where it stands upstream."""
+    """One repair, what it replaces or relies on, and where it stands upstream.
+
+    ``depends_on``: functions that must have a known shape for the fix to be applied (or for
+    its need to be decided); an unknown shape there refuses the whole copy.
+    ``only_unguarded``: needed only where the getter's shape is unguarded.
+    """
 
     id: str
     summary: str
-    eras: frozenset[str]
+    depends_on: tuple[str, ...]
+    only_unguarded: bool
     upstream: str
 
 
 GETTER_GUARD = Fix(
     "getter-guard",
     "main_grad_getter drains the reduce-scatter queue before it allocates a gradient bucket",
-    frozenset("AB"),
+    (GETTER, DRAIN, WAIT), True,
     "NVIDIA/Megatron-LM#5222, first released in megatron-core 0.19.0 / megatron-fsdp 0.6.0",
 )
 ORDERED_DRAIN = Fix(
     "ordered-drain",
     "at most pool-size units live, counting the incoming one; the stream that writes into a "
     "recycled slot waits on the reduce-scatter that last read it",
-    frozenset("ABC"),
+    (DRAIN, WAIT), False,
     "not fixed upstream as of megatron-core 0.19.2 / megatron-fsdp 0.6.1",
 )
 FIXES = (GETTER_GUARD, ORDERED_DRAIN)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
+
+
+def needed(fix: Fix, shapes: Mapping[str, Shape]) -> bool:
+    """Whether a copy with these (known) shapes needs ``fix``."""
+    return not fix.only_unguarded or shapes[GETTER].guarded is False

@@ -72,7 +72,7 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
     shutil.copytree(fsdp_release("0.5.1"), root)
     path = root / "megatron_fsdp" / "param_and_grad_buffer.py"
     path.write_text(path.read_text().replace("if len(double_buf_units) > 1:",
-                                             "if len(double_buf_units) > 2:", 1))
+                                             "if len(double_buf_units) > 3:", 1))
     code, data = status(root)
     assert code == 1 and data["copies"][0]["refused"] is True
     assert "refused" in data["unfixed"][0]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import releases
 
-from mfsdp_hotfix import detection, registry
+from mfsdp_hotfix import detection, registry, structure
 
 STANDALONE, VENDORED = registry.COPIES
 
@@ -33,7 +33,9 @@ def test_every_megatron_fsdp_release(version: str) -> None:
     assert found.version == version
     assert not found.refused, found.reason
     assert found.era is not None and found.era.name == EXPECTED_FSDP[version]
-    assert found.reason.startswith(f"era {found.era.name}: verified release")
+    assert found.reason == f"era {found.era.name}: verified release megatron-fsdp {version}"
+    assert found.verified_release and found.label_kind == "release" and found.notes == ()
+    assert set(found.matched_by.values()) == {"fingerprint"}
 
 
 @pytest.mark.parametrize("version", sorted(EXPECTED_CORE))
@@ -41,6 +43,7 @@ def test_every_megatron_core_release(version: str) -> None:
     found = _detect(VENDORED, releases.unpacked("megatron-core", version))
     assert found.version == version
     assert found.era is not None and found.era.name == EXPECTED_CORE[version], found.reason
+    assert found.verified_release, found.reason
 
 
 @pytest.mark.parametrize("version", ["0.13.0", "0.13.1"])
@@ -76,28 +79,49 @@ def test_comment_and_blank_line_edits_keep_the_shape(modified_copy: Path) -> Non
     assert found.era is not None and found.era.name == "B"
 
 
-def test_backported_fix_on_an_old_release_is_refused(modified_copy: Path) -> None:
+def test_backport_with_known_shapes_is_fixed_by_its_shapes(modified_copy: Path) -> None:
+    """0.18's drain with 0.19's threshold is, text for text, 0.19's drain: era A (unguarded
+    getter, two units live), both fixes, and a note that 0.5.1 did not ship this code."""
     _edit(modified_copy, "            if len(double_buf_units) > 1:",
           "            if len(double_buf_units) > 2:")
     found = _detect(STANDALONE, modified_copy)
+    assert found.era is not None and found.era.name == "A" and not found.verified_release
+    assert [fix.id for fix in registry.FIXES if found.needs(fix)] == ["getter-guard",
+                                                                      "ordered-drain"]
+    assert "megatron-fsdp 0.5.1 with code that release did not ship" in found.reason
+    assert found.notes == ("megatron-fsdp 0.5.1 shipped _enforce_double_buffer_limit as in 0.18, "
+                           "this copy's as in 0.19: the code is not what that release shipped, "
+                           "so the fixes follow the code's own shapes",)
+
+
+def test_changed_drain_is_refused(modified_copy: Path) -> None:
+    _edit(modified_copy, "            if len(double_buf_units) > 1:",
+          "            if len(double_buf_units) > 3:")
+    found = _detect(STANDALONE, modified_copy)
     assert found.refused
-    assert "unrecognised code shape" in found.reason
+    assert found.reason.startswith("unrecognised code shape in _enforce_double_buffer_limit "
+                                   "(fingerprint ")
+    assert "main_grad_getter" not in found.reason
 
 
-def test_era_shape_on_the_wrong_release_is_refused(modified_copy: Path) -> None:
+def test_release_label_on_other_known_code_is_a_fork(modified_copy: Path) -> None:
     dist_info = modified_copy / "megatron_fsdp-0.5.1.dist-info"
     metadata = dist_info / "METADATA"
     metadata.write_text(metadata.read_text().replace("Version: 0.5.1", "Version: 0.6.1"))
     dist_info.rename(modified_copy / "megatron_fsdp-0.6.1.dist-info")
     found = _detect(STANDALONE, modified_copy)
-    assert found.refused
-    assert "shipped the era-C shape" in found.reason
+    assert found.era is not None and found.era.name == "B" and not found.verified_release
+    assert "backport or a fork" in found.reason
+    assert "megatron-fsdp 0.6.1 shipped main_grad_getter as in 0.19, this copy's as in 0.17" \
+        in found.notes[0]
 
 
 def test_missing_function_is_refused(modified_copy: Path) -> None:
     _edit(modified_copy, "def _enforce_double_buffer_limit(", "def _renamed_limit(")
     found = _detect(STANDALONE, modified_copy)
-    assert found.refused and "_enforce_double_buffer_limit" in found.reason
+    assert found.refused
+    assert found.reason.startswith("unrecognised code shape in _enforce_double_buffer_limit "
+                                   "(not found)")
 
 
 def test_missing_metadata_falls_back_to_shape(modified_copy: Path) -> None:
@@ -106,18 +130,49 @@ def test_missing_metadata_falls_back_to_shape(modified_copy: Path) -> None:
                                   "param_and_grad_buffer.py")
     if found.version is not None:
         pytest.skip(f"another megatron-fsdp {found.version} is installed in this environment")
-    assert found.era is not None and found.era.name == "B"
-    assert "recognised by code shape alone" in found.notes[0]
+    assert found.era is not None and found.era.name == "B" and found.label_kind == "none"
+    assert found.notes == ("no megatron-fsdp version metadata: judged by code shape alone",)
 
 
-@pytest.mark.parametrize("version, era", [("0.5.0rc1", "B"), ("0.5.1+git1234", "B"),
-                                          ("0.5.2", "B"), ("0.5.0.dev3", "B")])
-def test_prerelease_and_local_versions(modified_copy: Path, version: str, era: str) -> None:
+@pytest.mark.parametrize("version, kind", [("0.5.0rc1", "pre-release"), ("0.5.1+git1234", "local"),
+                                           ("0.5.0.dev3", "dev"), ("0.5.1.post1", "post-release"),
+                                           ("0.6.0rc0+d199bb9", "local")])
+def test_prerelease_dev_and_local_labels_are_judged_by_code_alone(
+        modified_copy: Path, version: str, kind: str) -> None:
     metadata = modified_copy / "megatron_fsdp-0.5.1.dist-info" / "METADATA"
     metadata.write_text(metadata.read_text().replace("Version: 0.5.1", f"Version: {version}"))
     found = _detect(STANDALONE, modified_copy)
-    assert found.version == version
-    assert found.era is not None and found.era.name == era
+    assert found.version == version and found.label_kind == kind
+    assert found.era is not None and found.era.name == "B" and not found.verified_release
+    assert found.reason == "era B by code shape"
+    assert found.notes == (f"megatron-fsdp {version} is a {kind} label, not a release: judged "
+                           "by code shape alone",)
+
+
+def test_unknown_final_release_is_judged_by_code_alone(modified_copy: Path) -> None:
+    metadata = modified_copy / "megatron_fsdp-0.5.1.dist-info" / "METADATA"
+    metadata.write_text(metadata.read_text().replace("Version: 0.5.1", "Version: 0.5.2"))
+    found = _detect(STANDALONE, modified_copy)
+    assert found.era is not None and found.era.name == "B" and not found.verified_release
+    assert found.notes == ("megatron-fsdp 0.5.2 is not among the releases this hotfix was "
+                           "verified on: judged by code shape alone",)
+
+
+def test_every_pair_of_known_getter_and_drain_shapes_has_an_era() -> None:
+    for getter in registry.SHAPES[registry.GETTER]:
+        for drain in registry.SHAPES[registry.DRAIN]:
+            era = registry.era_of(getter, drain)
+            expected = ("B" if drain.live_units == 1 else "A" if not getter.guarded else
+                        "C" if drain.drain_stream == "rs_stream" else "none")
+            assert era.name == expected, (getter, drain)
+
+
+def test_releases_table_lists_every_release_the_tests_download() -> None:
+    listed = {(d, v) for d, v in registry.RELEASES}
+    downloaded = ({("megatron-fsdp", v) for v in releases.MEGATRON_FSDP}
+                  | {("megatron-core", v) for v in releases.MEGATRON_CORE
+                     if not v.startswith("0.13")})
+    assert listed == downloaded
 
 
 def test_unparseable_file_is_refused(tmp_path: Path) -> None:
@@ -126,3 +181,22 @@ def test_unparseable_file_is_refused(tmp_path: Path) -> None:
     (package / "param_and_grad_buffer.py").write_text("def broken(:\n")
     found = _detect(STANDALONE, tmp_path)
     assert found.refused and "cannot read" in found.reason
+
+
+@pytest.mark.parametrize("body, drains", [
+    ("gbuf = p._gbuf\nself.grad_reduce_pipeline._enforce_double_buffer_limit([gbuf.bucket_id])\n"
+     "bucket = gbuf.fetch_bucket()\nreturn bucket", True),
+    ("p._megatron_fsdp_model.grad_reduce_pipeline._enforce_double_buffer_limit([1])\n"
+     "return p._gbuf.fetch_bucket(dtype=None)", True),
+    ("bucket = p._gbuf.fetch_bucket()\nself.pipe._enforce_double_buffer_limit([1])\n"
+     "return bucket", False),
+    ("if self.pipe is not None:\n    self.pipe._enforce_double_buffer_limit([1])\n"
+     "return p._gbuf.fetch_bucket()", False),
+    ("return p._gbuf.get(self.pipe._enforce_double_buffer_limit([1]), p._gbuf.fetch_bucket())",
+     False),
+    ("self.pipe._enforce_double_buffer_limit([1])\nreturn None", False),
+], ids=["rocm-146", "upstream-0.19", "after-fetch", "conditional", "same-statement", "no-fetch"])
+def test_drains_before_fetching(body: str, drains: bool) -> None:
+    source = "    def main_grad_getter(p):\n" + "".join(
+        f"        {line}\n" for line in body.splitlines())
+    assert structure.drains_before_fetching(source) is drains

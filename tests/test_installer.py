@@ -181,7 +181,7 @@ def modified_release(tmp_path: Path, fsdp051: Path) -> Path:
     shutil.copytree(fsdp051, root)
     path = root / "megatron_fsdp" / "param_and_grad_buffer.py"
     path.write_text(path.read_text().replace("if len(double_buf_units) > 1:",
-                                             "if len(double_buf_units) > 2:", 1))
+                                             "if len(double_buf_units) > 3:", 1))
     return root
 
 

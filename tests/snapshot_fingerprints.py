@@ -1,0 +1,80 @@
+"""Development-time check (not run in CI, which cannot reach GitHub): recompute the fingerprints
+that ``snapshots.py`` records, from the real files.
+
+    python tests/snapshot_fingerprints.py --nvidia NVIDIA-Megatron-LM.git --rocm ROCM_PGB.py
+
+``--nvidia``: a git directory of NVIDIA/Megatron-LM holding the recorded commits (a clone or a
+mirror); the file and the version label are read with ``git show COMMIT:PATH``.
+``--rocm``: ROCm/Megatron-LM's ``param_and_grad_buffer.py`` at the recorded commit, saved from
+GitHub (the ROCm #146 snapshot is that file with :func:`snapshots.apply_pr146` applied).
+Prints one row per snapshot and exits 1 if any recorded fingerprint or label differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import snapshots  # noqa: E402
+
+from mfsdp_hotfix import fingerprints, registry  # noqa: E402
+
+VENDORED = "megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py"
+
+
+def three_fingerprints(buffer_file: Path) -> tuple[str, ...]:
+    tree = fingerprints.parse_file(buffer_file)
+    return tuple(fingerprints.fp_code(tree.source(name)) for name in registry.FUNCTIONS)
+
+
+def core_label(git_dir: str, commit: str) -> str:
+    """megatron-core's version at ``commit`` as ``pip install`` would build it (no git hash)."""
+    text = subprocess.run(["git", "--git-dir", git_dir, "show",
+                           f"{commit}:megatron/core/package_info.py"],
+                          check=True, capture_output=True, text=True).stdout
+    parts = dict(re.findall(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE) = '?([^'\n]*)'?$", text, re.M))
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts['PRE_RELEASE']}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nvidia", required=True, help="git dir of NVIDIA/Megatron-LM")
+    parser.add_argument("--rocm", required=True, type=Path,
+                        help=f"ROCm param_and_grad_buffer.py @{snapshots.ROCM_BUFFER}")
+    args = parser.parse_args()
+    failed = False
+    with tempfile.TemporaryDirectory() as scratch:
+        for snapshot in snapshots.SNAPSHOTS.values():
+            real = Path(scratch) / f"{snapshot.name}.py"
+            label_note = ""
+            if snapshot.repository == snapshots.ROCM:
+                shutil.copyfile(args.rocm, real)
+                if snapshot.pr146:
+                    snapshots.apply_pr146(real)
+            else:
+                real.write_bytes(subprocess.run(
+                    ["git", "--git-dir", args.nvidia, "show", f"{snapshot.commit}:{VENDORED}"],
+                    check=True, capture_output=True).stdout)
+                label = core_label(args.nvidia, snapshot.commit)
+                recorded = (snapshot.label or "").split("+")[0]
+                label_note = f" label {label}" + ("" if label == recorded else " MISMATCH")
+                failed |= label != recorded
+            found = three_fingerprints(real)
+            same = found == snapshot.fingerprints
+            failed |= not same
+            print(f"{snapshot.name:16} {snapshot.repository}@{snapshot.commit[:10]} "
+                  f"{'matches' if same else 'DIFFERS'}{label_note}: "
+                  + " ".join(f[:12] for f in found))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

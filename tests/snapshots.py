@@ -1,0 +1,206 @@
+"""Megatron-FSDP copies that are not PyPI releases, rebuilt for the tests: the ROCm/Megatron-LM fork
+before and after its PR #146, and git snapshots of NVIDIA/Megatron-LM ``main`` between releases.
+
+CI cannot reach GitHub and this project commits no upstream code, so each snapshot is kept as
+facts: where its real code lives, the version label it installs with, and the fingerprints of the
+three functions the hotfix judges, computed from the real files by ``snapshot_fingerprints.py``
+(run by hand where GitHub is reachable). A test rebuilds the snapshot from the release wheel whose
+three functions have the same shapes, applies the snapshot's own edit (ROCm PR #146's change,
+written here as a source transformation of the PR's description), rewrites the version label, and
+first asserts that the rebuilt copy reproduces the recorded fingerprints exactly.
+
+What a rebuilt copy is not: the rest of the real files (ROCm's mori SDMA all-gather, the other
+changes on main between releases). Detection reads only the three functions; a run on a rebuilt
+copy runs the release's code around them.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import releases
+
+from mfsdp_hotfix import registry
+
+STANDALONE = Path("megatron_fsdp")
+VENDORED = Path("megatron/core/distributed/fsdp/src/megatron_fsdp")
+
+# fp_code of the three functions (getter, drain, wait) in the real files, as printed by
+# snapshot_fingerprints.py; written out rather than taken from the registry, so that a registry
+# edit cannot move them.
+ROCM_146 = ("b992c40694c29476c06e9130a98839175f6792c6d127b5fea17e37e067219d75",
+            "9b70f49286019d5cb6b84bb6e52df6025f9d3c118579eabc67a4aa062ffcb2bd",
+            "18a7000ad753206566df235d409814de9319429954a1f2761717b20d53920b2e")
+ROCM_BEFORE_146 = ("991107f2e75eaa6e2f5567049a45235be088a70697e281c937dd01ce2e69f495",
+                   "cc2d1fa2642c351d39147350dafca5a1a00903f1269e5a7fd9308f62e9c1ee85",
+                   "18a7000ad753206566df235d409814de9319429954a1f2761717b20d53920b2e")
+MAIN_ERA_A = ("0480c5a8ac2347fe62a2103b10b13f88a227086cd017499eba3c1b10ae2f07ff",
+              "cc2d1fa2642c351d39147350dafca5a1a00903f1269e5a7fd9308f62e9c1ee85",
+              "274b821a5fb1391b53f2cc32f68e06300fb7fafb7429e5a54b1f3134b232653f")
+MAIN_ERA_B = ("0480c5a8ac2347fe62a2103b10b13f88a227086cd017499eba3c1b10ae2f07ff",
+              "a1783b8dc8f20c5e639262da00c959dcff7666e0132ad89868340b10cd3c3578",
+              "274b821a5fb1391b53f2cc32f68e06300fb7fafb7429e5a54b1f3134b232653f")
+MAIN_ERA_C = ("9536069f4985f747be30ef6fd5b73ba366d0325847d531a9af6629d46f4eb02a",
+              "9b70f49286019d5cb6b84bb6e52df6025f9d3c118579eabc67a4aa062ffcb2bd",
+              "274b821a5fb1391b53f2cc32f68e06300fb7fafb7429e5a54b1f3134b232653f")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One non-release copy: its real source, its label, the recorded fingerprints, and how it
+    is rebuilt (``base`` release, plus PR #146's edit) and judged (``era``, ``fixes``)."""
+
+    name: str
+    repository: str
+    commit: str  # of param_and_grad_buffer.py
+    distribution: str
+    label: str | None  # None: no metadata (a source checkout on PYTHONPATH)
+    base: str  # the megatron-core release with the same three shapes
+    fingerprints: tuple[str, str, str]
+    era: str
+    fixes: tuple[str, ...]
+    pr146: bool = False
+
+
+ROCM, NVIDIA = "ROCm/Megatron-LM", "NVIDIA/Megatron-LM"
+ROCM_BUFFER = "5b976d2780f892c0ff24a93daea0ea97a7231974"
+BOTH = ("getter-guard", "ordered-drain")
+DRAIN_ONLY = ("ordered-drain",)
+
+SNAPSHOTS = {s.name: s for s in (
+    Snapshot("rocm-before-146", ROCM, ROCM_BUFFER, "megatron-core", None, "0.16.1",
+             ROCM_BEFORE_146, "A", BOTH),
+    Snapshot("rocm-146", ROCM, ROCM_BUFFER, "megatron-core", None, "0.16.1", ROCM_146, "C",
+             DRAIN_ONLY, pr146=True),
+    Snapshot("main-b969f764", NVIDIA, "b969f7642c786295adc833c76c56233e77c663bb",
+             "megatron-core", "0.16.0rc0", "0.17.1", MAIN_ERA_A, "A", BOTH),
+    Snapshot("main-606ac26e", NVIDIA, "606ac26eaae51ff1300533b7ff917dbddd9b1464",
+             "megatron-core", "0.18.0rc0", "0.17.1", MAIN_ERA_A, "A", BOTH),
+    Snapshot("main-fe5291fa", NVIDIA, "fe5291fa40a9f9ac56f4cf0918182d57435bd4bd",
+             "megatron-core", "0.18.0rc0+fe5291f", "0.17.1", MAIN_ERA_A, "A", BOTH),
+    Snapshot("main-97e36aab", NVIDIA, "97e36aaba37245e2fa23d4fda0e956ece21e6c9e",
+             "megatron-core", "0.18.0rc0", "0.17.1", MAIN_ERA_A, "A", BOTH),
+    Snapshot("main-d199bb9e", NVIDIA, "d199bb9e9f388d8f8136a0c9b25d2bcc53529ffe",
+             "megatron-core", "0.19.0+d199bb9", "0.18.2", MAIN_ERA_B, "B", BOTH),
+    Snapshot("main-d98e8a64", NVIDIA, "d98e8a64ddf34856e74b24714e3bedb2f5a39553",
+             "megatron-core", "0.20.0+d98e8a6", "0.19.2", MAIN_ERA_C, "C", DRAIN_ONLY),
+)}
+
+
+def build(snapshot: Snapshot, target: Path, *, standalone: bool = False,
+          whole: bool = False) -> Path:
+    """Rebuild ``snapshot`` under ``target`` (a ``sys.path`` folder) and return ``target``.
+
+    ``standalone``: lay it out as the ``megatron_fsdp`` distribution (megatron-fsdp's release of
+    the same code), which imports without megatron-core; ``whole``: copy the whole release
+    (needed to import it), else only the Megatron-FSDP package (enough to detect it).
+    """
+    if standalone:
+        source = releases.unpacked("megatron-fsdp", _FSDP_OF_CORE[snapshot.base])
+        package, distribution = STANDALONE, "megatron-fsdp"
+    else:
+        source = releases.unpacked("megatron-core", snapshot.base)
+        package, distribution = VENDORED, "megatron-core"
+    if whole:
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns(".complete", "*.dist-info"))
+    else:
+        shutil.copytree(source / package, target / package)
+    if snapshot.repository == ROCM:
+        link_pipeline_to_buffer(target / package / "megatron_fsdp.py")
+    if snapshot.pr146:
+        apply_pr146(target / package / "param_and_grad_buffer.py")
+    if snapshot.label is not None:
+        write_label(target, distribution, snapshot.label)
+    return target
+
+
+# megatron-fsdp release holding the same code as a megatron-core release (bug-anatomy.md §0).
+_FSDP_OF_CORE = {"0.16.1": "0.3.1", "0.17.1": "0.4.0", "0.18.2": "0.5.1", "0.19.2": "0.6.1"}
+
+
+def write_label(root: Path, distribution: str, version: str) -> None:
+    """Minimal dist-info so that ``importlib.metadata`` reports ``distribution==version``."""
+    info = root / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+
+
+def apply_pr146(buffer_file: Path) -> None:
+    """ROCm/Megatron-LM PR #146's two edits to ``param_and_grad_buffer.py``, as its description
+    states them: in ``main_grad_getter``, drain through the buffer's ``grad_reduce_pipeline``
+    before ``fetch_bucket()`` and drop the premature fetch; in ``_enforce_double_buffer_limit``,
+    run ``wait_for_previous_grad_reduce`` under ``torch.cuda.stream(self.rs_stream)``."""
+    lines = buffer_file.read_text().splitlines(keepends=True)
+    getter = _span(lines, registry.GETTER)
+    premature = _only(lines, getter, "bucket = p._gbuf.fetch_bucket()")
+    after = _only(lines, getter, "item_id = p._item_id")
+    indent = _indent(lines[after])
+    lines[after + 1:after + 1] = [
+        f"{indent}self.grad_reduce_pipeline._enforce_double_buffer_limit([gbuf.bucket_id])\n",
+        f"{indent}bucket = gbuf.fetch_bucket()\n"]
+    del lines[premature]
+    drain = _span(lines, registry.DRAIN)
+    wait = _only(lines, drain, "self.wait_for_previous_grad_reduce(keep_n)")
+    indent = _indent(lines[wait])
+    lines[wait:wait + 1] = [f"{indent}with torch.cuda.stream(self.rs_stream):\n",
+                            f"{indent}    self.wait_for_previous_grad_reduce(keep_n)\n"]
+    buffer_file.write_text("".join(lines))
+
+
+def link_pipeline_to_buffer(model_file: Path) -> None:
+    """ROCm's ``megatron_fsdp.py`` (@6c421f3840, PR #146's third edit): at the end of building the
+    pipelines, ``param_and_grad_buffer.grad_reduce_pipeline`` points at the reduce pipeline."""
+    text = model_file.read_text()
+    lines = text.splitlines(keepends=True)
+    method = _node(ast.parse(text), "MegatronFSDP._init_fsdp_param_and_grad_buffer")
+    built = [s for s in method.body if isinstance(s, ast.Assign)
+             and any(isinstance(t, ast.Attribute) and t.attr == "all_gather_pipeline"
+                     for t in s.targets)]
+    assert len(built) == 1, "expected one assignment of self.all_gather_pipeline"
+    end = built[0].end_lineno
+    assert end is not None
+    indent = " " * built[0].col_offset
+    lines.insert(end, f"{indent}self.param_and_grad_buffer.grad_reduce_pipeline = "
+                      "self.grad_reduce_pipeline\n")
+    model_file.write_text("".join(lines))
+
+
+def _node(tree: ast.AST, qualname: str) -> ast.FunctionDef:
+    def walk(node: ast.AST, prefix: str) -> ast.FunctionDef | None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef):
+                name = prefix + child.name
+                if name == qualname:
+                    return child
+                found = walk(child, name + ".<locals>.")
+            elif isinstance(child, ast.ClassDef):
+                found = walk(child, prefix + child.name + ".")
+            else:
+                found = walk(child, prefix)
+            if found is not None:
+                return found
+        return None
+
+    found = walk(tree, "")
+    assert found is not None, f"{qualname} not found"
+    return found
+
+
+def _span(lines: list[str], qualname: str) -> range:
+    node = _node(ast.parse("".join(lines)), qualname)
+    assert node.end_lineno is not None
+    return range(node.lineno - 1, node.end_lineno)
+
+
+def _only(lines: list[str], span: range, stripped: str) -> int:
+    hits = [i for i in span if lines[i].strip() == stripped]
+    assert len(hits) == 1, f"expected one {stripped!r} in lines {span}, found {len(hits)}"
+    return hits[0]
+
+
+def _indent(line: str) -> str:
+    return line[:len(line) - len(line.lstrip())]

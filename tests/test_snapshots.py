@@ -1,0 +1,142 @@
+"""Copies that are not PyPI releases (the ROCm fork before and after PR #146, git snapshots of
+NVIDIA main labelled as pre-releases or local builds): each rebuilt copy first reproduces the
+fingerprints recorded from its real code, then gets the era of its code and the fixes its shapes
+need, and says why. Offline, no torch (see ``snapshots.py`` for how the copies are rebuilt)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import snapshots
+from conftest import run_python
+
+from mfsdp_hotfix import detection, fingerprints, registry
+
+VENDORED = registry.COPIES[1]
+
+
+def _built(name: str, tmp_path: Path) -> Path:
+    return snapshots.build(snapshots.SNAPSHOTS[name], tmp_path / "site")
+
+
+def _detect(root: Path) -> detection.Detection:
+    found = detection.find_installed(VENDORED, [str(root)])
+    assert found is not None
+    return detection.detect_file(VENDORED, found)
+
+
+@pytest.mark.parametrize("name", sorted(snapshots.SNAPSHOTS))
+def test_rebuilt_copy_has_the_real_codes_fingerprints(name: str, tmp_path: Path) -> None:
+    root = _built(name, tmp_path)
+    tree = fingerprints.parse_file(root / snapshots.VENDORED / "param_and_grad_buffer.py")
+    rebuilt = tuple(fingerprints.fp_code(tree.source(f)) for f in registry.FUNCTIONS)
+    assert rebuilt == snapshots.SNAPSHOTS[name].fingerprints
+
+
+@pytest.mark.parametrize("name", sorted(snapshots.SNAPSHOTS))
+def test_each_snapshot_gets_the_era_of_its_code(name: str, tmp_path: Path) -> None:
+    snapshot = snapshots.SNAPSHOTS[name]
+    found = _detect(_built(name, tmp_path))
+    assert not found.refused, found.reason
+    assert found.era is not None and found.era.name == snapshot.era
+    assert tuple(fix.id for fix in registry.FIXES if found.needs(fix)) == snapshot.fixes
+    assert found.version == snapshot.label and not found.verified_release
+    assert found.reason == f"era {snapshot.era} by code shape"
+    kind = found.label_kind
+    assert kind == ("none" if snapshot.label is None else
+                    "local" if "+" in snapshot.label else "pre-release")
+    expected = (f"megatron-core {snapshot.label} is a {kind} label, not a release"
+                if snapshot.label else "no megatron-core version metadata")
+    assert found.notes == (f"{expected}: judged by code shape alone",)
+
+
+def test_rocm_146_getter_is_recognised_by_its_structure(tmp_path: Path) -> None:
+    found = _detect(_built("rocm-146", tmp_path))
+    assert found.matched_by == {registry.GETTER: "structure", registry.DRAIN: "fingerprint",
+                                registry.WAIT: "fingerprint"}
+    getter, drain, wait = (found.shapes[f] for f in registry.FUNCTIONS)
+    assert getter is not None and getter.guarded and getter.fingerprint is None
+    assert drain is not None and (drain.name, drain.drain_stream) == ("0.19", "rs_stream")
+    assert wait is not None and wait.name == "0.14"
+
+
+def test_rocm_146_labelled_as_a_release_is_a_fork_fixed_by_its_shapes(tmp_path: Path) -> None:
+    root = _built("rocm-146", tmp_path)
+    snapshots.write_label(root, "megatron-core", "0.16.1")
+    found = _detect(root)
+    assert found.era is not None and found.era.name == "C" and not found.verified_release
+    assert "code that release did not ship: a backport or a fork" in found.reason
+    assert found.notes == (
+        "megatron-core 0.16.1 shipped main_grad_getter as in 0.14, this copy's as in drains "
+        "before fetching, _enforce_double_buffer_limit as in 0.14, this copy's as in 0.19: the "
+        "code is not what that release shipped, so the fixes follow the code's own shapes",)
+
+
+def _edit(root: Path, qualname: str, old: str, new: str) -> None:
+    path = root / snapshots.VENDORED / "param_and_grad_buffer.py"
+    text = path.read_text()
+    source = fingerprints.ParsedFile(text).source(qualname)
+    assert source.count(old) == 1
+    path.write_text(text.replace(source, source.replace(old, new), 1))
+
+
+_DRAIN_CALL = "self.grad_reduce_pipeline._enforce_double_buffer_limit([gbuf.bucket_id])"
+_GETTER_INDENT = "\n" + " " * 20
+
+
+@pytest.mark.parametrize("qualname, old, new", [
+    (registry.DRAIN, "if len(double_buf_units) > 2:", "if len(double_buf_units) > 3:"),
+    (registry.WAIT, "grad_reduce_event.wait()\n                free_up_grad_bucket()\n\n",
+     "free_up_grad_bucket()\n                grad_reduce_event.wait()\n\n"),
+    (registry.GETTER, _DRAIN_CALL + _GETTER_INDENT + "bucket = gbuf.fetch_bucket()",
+     "bucket = gbuf.fetch_bucket()" + _GETTER_INDENT + _DRAIN_CALL),
+], ids=["changed-drain", "changed-wait", "fetch-before-drain"])
+def test_an_unknown_shape_in_a_function_the_fixes_rely_on_is_refused(
+        tmp_path: Path, qualname: str, old: str, new: str) -> None:
+    root = _built("rocm-146", tmp_path)
+    _edit(root, qualname, old, new)
+    found = _detect(root)
+    assert found.refused and found.shapes[qualname] is None
+    name = registry.short_name(qualname)
+    assert found.reason.startswith(f"unrecognised code shape in {name} (fingerprint ")
+    assert [n for n in registry.FUNCTIONS if found.shapes[n] is None] == [qualname]
+
+
+def _status(root: Path, *args: str) -> str:
+    code = ("import sys; sys.modules['torch'] = None; from mfsdp_hotfix.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    proc = run_python("", root, args=("-c", code, "status", *args))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_status_says_which_function_matched_which_shape_and_how(tmp_path: Path) -> None:
+    root = _built("rocm-146", tmp_path)
+    (copy,) = json.loads(_status(root, "--json"))["copies"]
+    assert (copy["era"], copy["label_kind"], copy["verified_release"]) == ("C", "none", False)
+    assert copy["functions"][registry.GETTER] == {
+        "shape": "drains before fetching", "matched_by": "structure", "as_shipped_in": None,
+        "implies": "guarded"}
+    assert copy["functions"][registry.DRAIN] == {
+        "shape": "0.19", "matched_by": "fingerprint",
+        "as_shipped_in": "megatron-core 0.19.0-0.19.2, megatron-fsdp 0.6.0-0.6.1",
+        "implies": "waits on rs_stream, keeps 2 units live"}
+    assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
+        "getter-guard": "not needed", "ordered-drain": "would apply"}
+    text = _status(root)
+    assert ("main_grad_getter: drains before fetching, recognised by structure (guarded)"
+            in text)
+    assert ("_enforce_double_buffer_limit: as shipped in megatron-core 0.19.0-0.19.2, "
+            "megatron-fsdp 0.6.0-0.6.1 (waits on rs_stream, keeps 2 units live)" in text)
+    assert "note: no megatron-core version metadata: judged by code shape alone" in text
+
+
+def test_status_of_a_git_snapshot_says_it_is_judged_by_its_code(tmp_path: Path) -> None:
+    root = _built("main-d199bb9e", tmp_path)
+    (copy,) = json.loads(_status(root, "--json"))["copies"]
+    assert (copy["version"], copy["label_kind"], copy["era"]) == ("0.19.0+d199bb9", "local", "B")
+    assert copy["reason"] == "era B by code shape"
+    assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
+        "getter-guard": "would apply", "ordered-drain": "would apply"}
