@@ -94,7 +94,8 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
         assert "megatron-fsdp 0.4.0: era A" in proc.stdout
         assert "getter-guard: would apply" in proc.stdout
         # Shape names are explained, not left to read like version numbers.
-        assert "main_grad_getter as in 0.17" in proc.stdout
+        assert ("main_grad_getter: as shipped in 0.17 (megatron-core 0.17.0-0.18.2, "
+                "megatron-fsdp 0.4.0-0.5.1; unguarded)") in proc.stdout
         assert "'0.17' means 'as shipped in release 0.17'" in proc.stdout
     else:
         assert "no Megatron-FSDP copy found" in proc.stdout

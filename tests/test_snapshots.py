@@ -128,8 +128,8 @@ def test_status_says_which_function_matched_which_shape_and_how(tmp_path: Path) 
     text = _status(root)
     assert ("main_grad_getter: drains before fetching, recognised by structure (guarded)"
             in text)
-    assert ("_enforce_double_buffer_limit: as shipped in megatron-core 0.19.0-0.19.2, "
-            "megatron-fsdp 0.6.0-0.6.1 (waits on rs_stream, keeps 2 units live)" in text)
+    assert ("_enforce_double_buffer_limit: as shipped in 0.19 (megatron-core 0.19.0-0.19.2, "
+            "megatron-fsdp 0.6.0-0.6.1; waits on rs_stream, keeps 2 units live)" in text)
     assert "note: no megatron-core version metadata: judged by code shape alone" in text
 
 

@@ -24,6 +24,7 @@ from realcases import (
     run_cached,
 )
 
+from mfsdp_hotfix import registry
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
 
 pytestmark = pytest.mark.slow
@@ -55,6 +56,8 @@ def test_pr146_alone_leaves_slot_reuse_unordered(rebuilt: dict[str, str]) -> Non
 def test_pr146_gets_ordered_drain_and_every_reuse_is_ordered(rebuilt: dict[str, str]) -> None:
     patched = rocm(rebuilt["rocm-146"], "on")
     assert fix_states(patched) == {"getter-guard": "not needed", "ordered-drain": "applied"}
+    (copy,) = patched.hotfix_status["copies"]  # detected at import, from the loaded code
+    assert copy["functions"][registry.GETTER]["matched_by"] == "structure", describe(patched)
     assert patched.hotfix_status["failures"] == {}, describe(patched)
     assert_matches_reference(patched)
     assert (patched.ordering_violations, patched.ordering_checks) == (0, 44), describe(patched)
