@@ -25,7 +25,6 @@ import releases
 
 from mfsdp_hotfix import registry
 
-STANDALONE = Path("megatron_fsdp")
 VENDORED = Path("megatron/core/distributed/fsdp/src/megatron_fsdp")
 
 # fp_code of the three functions (getter, drain, wait) in the real files, as printed by
@@ -90,35 +89,24 @@ SNAPSHOTS = {s.name: s for s in (
 )}
 
 
-def build(snapshot: Snapshot, target: Path, *, standalone: bool = False,
-          whole: bool = False) -> Path:
+def build(snapshot: Snapshot, target: Path, *, whole: bool = False) -> Path:
     """Rebuild ``snapshot`` under ``target`` (a ``sys.path`` folder) and return ``target``.
 
-    ``standalone``: lay it out as the ``megatron_fsdp`` distribution (megatron-fsdp's release of
-    the same code), which imports without megatron-core; ``whole``: copy the whole release
-    (needed to import it), else only the Megatron-FSDP package (enough to detect it).
+    ``whole``: copy the whole megatron-core release (needed to import it), else only its
+    Megatron-FSDP package (enough to detect it).
     """
-    if standalone:
-        source = releases.unpacked("megatron-fsdp", _FSDP_OF_CORE[snapshot.base])
-        package, distribution = STANDALONE, "megatron-fsdp"
-    else:
-        source = releases.unpacked("megatron-core", snapshot.base)
-        package, distribution = VENDORED, "megatron-core"
+    source = releases.unpacked("megatron-core", snapshot.base)
     if whole:
         shutil.copytree(source, target, ignore=shutil.ignore_patterns(".complete", "*.dist-info"))
     else:
-        shutil.copytree(source / package, target / package)
+        shutil.copytree(source / VENDORED, target / VENDORED)
     if snapshot.repository == ROCM:
-        link_pipeline_to_buffer(target / package / "megatron_fsdp.py")
+        link_pipeline_to_buffer(target / VENDORED / "megatron_fsdp.py")
     if snapshot.pr146:
-        apply_pr146(target / package / "param_and_grad_buffer.py")
+        apply_pr146(target / VENDORED / "param_and_grad_buffer.py")
     if snapshot.label is not None:
-        write_label(target, distribution, snapshot.label)
+        write_label(target, snapshot.distribution, snapshot.label)
     return target
-
-
-# megatron-fsdp release holding the same code as a megatron-core release (bug-anatomy.md §0).
-_FSDP_OF_CORE = {"0.16.1": "0.3.1", "0.17.1": "0.4.0", "0.18.2": "0.5.1", "0.19.2": "0.6.1"}
 
 
 def write_label(root: Path, distribution: str, version: str) -> None:
