@@ -39,8 +39,9 @@ FIX_STATES = {
     "failed": "the fix raised inside the hotfix and was switched off; the code runs as shipped",
     "off": f"{settings_module.SWITCH}=0",
 }
-SHAPE_MEANING = ("a code shape names the release whose code a function matches exactly: "
-                 "'0.17' means 'as shipped in release 0.17'")
+SHAPE_MEANING = ("each function is judged by its own code: 'as shipped in 0.17' means its text "
+                 "equals release 0.17's, layout and comments aside; 'drains before fetching' "
+                 "means a getter recognised by its structure")
 
 
 def status() -> dict[str, Any]:
