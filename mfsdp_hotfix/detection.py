@@ -55,10 +55,11 @@ class Detection:
 
 def detect_module(copy: Copy, buffer_module: ModuleType) -> Detection:
     """Classify ``copy`` from its imported ``param_and_grad_buffer`` module; never raises."""
-    path = str(Path(getattr(buffer_module, "__file__", "") or "?").parent)
+    buffer_file = Path(getattr(buffer_module, "__file__", "") or "?")
     prints, problems = _fingerprint(lambda qualname: fingerprints.source_of(
         _resolve(buffer_module, qualname)))
-    return _classify(copy, path, prints, problems)
+    prints.update(_model_fingerprints(buffer_file))
+    return _classify(copy, str(buffer_file.parent), prints, problems)
 
 
 def detect_file(copy: Copy, buffer_file: Path) -> Detection:
@@ -68,6 +69,7 @@ def detect_file(copy: Copy, buffer_file: Path) -> Detection:
     except fingerprints.SourceUnavailable as exc:
         return _classify(copy, str(buffer_file.parent), {}, [str(exc)])
     prints, problems = _fingerprint(tree.source)
+    prints.update(_model_fingerprints(buffer_file))
     return _classify(copy, str(buffer_file.parent), prints, problems)
 
 
@@ -95,7 +97,8 @@ def _classify(copy: Copy, path: str, prints: dict[str, str | None], problems: li
     getter, drain = shapes[registry.GETTER], shapes[registry.DRAIN]
     era = next((e for e in registry.ERAS
                 if (e.getter_shape, e.drain_shape) == (getter, drain)), None)
-    unknown = [name.split(".")[-1] for name, shape in shapes.items() if shape is None]
+    unknown = [name.split(".")[-1] for name, shape in shapes.items()
+               if shape is None and name not in registry.MODEL_TARGETS]
     if era is None or unknown:
         what = ", ".join(unknown) or f"the combination getter {getter} / drain {drain}"
         return verdict(None, f"unrecognised code shape ({what}): a fork, a backport or a newer "
@@ -144,6 +147,23 @@ def _fingerprint(source: Callable[[str], str]) -> tuple[dict[str, str | None], l
             prints[qualname] = None
             problems.append(str(exc))
     return prints, problems
+
+
+def _model_fingerprints(buffer_file: Path) -> dict[str, str | None]:
+    """The model module's targets, read from ``megatron_fsdp.py`` beside the buffer module
+    (parsed, not imported: the buffer module's hook runs before the model module exists).
+    Unreadable or absent: None, which leaves the fixes that need them unverified."""
+    try:
+        tree = fingerprints.parse_file(buffer_file.with_name("megatron_fsdp.py"))
+    except fingerprints.SourceUnavailable:
+        return dict.fromkeys(registry.MODEL_TARGETS)
+    prints: dict[str, str | None] = {}
+    for qualname in sorted(registry.MODEL_TARGETS):
+        try:
+            prints[qualname] = fingerprints.fp_code(tree.source(qualname))
+        except KeyError:
+            prints[qualname] = None
+    return prints
 
 
 def _resolve(module: ModuleType, qualname: str) -> object:

@@ -8,7 +8,7 @@ Shapes are named after the first release that carries them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Release = tuple[int, ...]
 
@@ -51,6 +51,10 @@ REFUSED_MODULES = {
 GETTER = "ParamAndGradBuffer._init_each_parameter_group_buffers.<locals>.main_grad_getter"
 DRAIN = "GradReducePipeline._enforce_double_buffer_limit"
 WAIT = "GradReducePipeline.wait_for_previous_grad_reduce"
+# In the model module (megatron_fsdp.py). Only a fix's own gate: an unknown shape here does not
+# refuse the copy, it leaves the fixes that need a known one unverified.
+HOOKS = "MegatronFSDP._register_fsdp_hooks"
+MODEL_TARGETS = frozenset({HOOKS})
 
 SHAPES: dict[str, dict[str, str]] = {
     GETTER: {
@@ -66,6 +70,13 @@ SHAPES: dict[str, dict[str, str]] = {
     WAIT: {
         "18a7000ad753206566df235d409814de9319429954a1f2761717b20d53920b2e": "0.14",
         "274b821a5fb1391b53f2cc32f68e06300fb7fafb7429e5a54b1f3134b232653f": "0.17",
+    },
+    HOOKS: {  # 0.14: a unit's post-forward releases its parameters at once, never lazily
+        "165cb11b0521d204ab991b78257547ca679b491978d7c2240c64068e0ffe4ce0": "0.14",
+        "819fea0a1dbddaa5c909b026dd6660a873509886698a31a6d71e785aef76e450": "0.16",
+        "32fe8ef255b44a394c015edfbcaaf81868496e158c1dc3d32e7dbae0c93ef99c": "0.17",
+        "049be221636061637620cac833fc943cf6c8eedd59bd4b659d60f278751407fb": "0.18",
+        "fa95ce6cc803e35c9d0b319da2ef2115c31985aa725592638fbe1a6343079c9d": "0.19",
     },
 }
 
@@ -99,12 +110,18 @@ ERAS = (
 
 @dataclass(frozen=True)
 class Fix:
-    """One repair, the eras that need it, and where it stands upstream."""
+    """One repair, the eras that need it, and where it stands upstream.
+
+    ``shapes``: for a fix written against more code than the era's, the shapes of that code it
+    is right for (target -> shapes); another known shape does not need the fix, an unknown one
+    leaves it unverified.
+    """
 
     id: str
     summary: str
     eras: frozenset[str]
     upstream: str
+    shapes: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 GETTER_GUARD = Fix(
@@ -120,5 +137,15 @@ ORDERED_DRAIN = Fix(
     frozenset("ABC"),
     "not fixed upstream as of megatron-core 0.19.2 / megatron-fsdp 0.6.1",
 )
-FIXES = (GETTER_GUARD, ORDERED_DRAIN)
+MISSED_POST_BACKWARD = Fix(
+    "missed-post-backward",
+    "a ZeRO-3 unit whose post-backward hook never ran (no input needs a gradient, e.g. the "
+    "first unit) is released before the next forward instead of keeping one of the 2 slots of "
+    "the double-buffered parameter pool ('[fsdp_params] No buffer found for bucket_id')",
+    frozenset("A"),
+    "not fixed as such; megatron-fsdp 0.3.0 / megatron-core 0.16.0 release such a unit's "
+    "parameters lazily, which avoids the crash",
+    {HOOKS: frozenset({"0.14"})},
+)
+FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
