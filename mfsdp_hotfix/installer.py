@@ -11,6 +11,7 @@ install did is read back by ``reporting``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import sys
@@ -22,7 +23,7 @@ from typing import Any
 
 import wrapt
 
-from . import HotfixRefused, crossrank, detection, incidents, registry
+from . import HotfixRefused, coverage, crossrank, detection, incidents, registry
 from . import settings as settings_module
 from .detection import Detection
 from .patching import Undo, wrap_attribute
@@ -33,9 +34,12 @@ log = logging.getLogger("mfsdp_hotfix")
 
 # Which fix module patches which of a copy's two modules.
 _FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
-               registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module")}
+               registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module"),
+               registry.MISSED_POST_BACKWARD.id: ("missed_post_backward", "model_module")}
 _NOT_NEEDED = {registry.GETTER_GUARD.id: "the release already guards its getter (upstream "
-                                         "NVIDIA/Megatron-LM#5222)"}
+                                         "NVIDIA/Megatron-LM#5222)",
+               registry.MISSED_POST_BACKWARD.id: "the release frees a unit's parameters lazily "
+                                                 "when its post-backward hook did not run"}
 
 
 @dataclass
@@ -196,6 +200,13 @@ def fix_state(fix: Fix, found: Detection, settings: settings_module.Settings
         return "off", f"{settings_module.SWITCH}=0"
     if found.era.name not in fix.eras:
         return "not needed", _NOT_NEEDED.get(fix.id, f"era {found.era.name} does not need it")
+    for target, shapes in fix.shapes.items():
+        shape = found.shapes.get(target)
+        if shape is None:
+            return "unverified", (f"{target} has a code shape this hotfix does not know, so "
+                                  "the fix is not applied")
+        if shape not in shapes:
+            return "not needed", _NOT_NEEDED.get(fix.id, f"{target} is shaped like {shape}")
     if fix.id in settings.disabled_fixes:
         return "disabled", "listed in MFSDP_HOTFIX_DISABLED_FIXES"
     module_role = _FIX_TARGET[fix.id][1]
@@ -218,16 +229,19 @@ def _apply_fixes(record: CopyRecord, copy: Copy, module_role: str) -> None:
         log.debug("mfsdp_hotfix: applied %s to %s %s", fix.id, copy.label,
                   record.detection.version)
     if module_role == "model_module" and "model-built" not in record.undo:
-        record.undo["model-built"] = wrap_attribute(module.MegatronFSDP, "__init__",
-                                                    _after_model_init, "model-built")
+        record.undo["model-built"] = wrap_attribute(
+            module.MegatronFSDP, "__init__", functools.partial(_after_model_init, record),
+            "model-built")
 
 
-def _after_model_init(wrapped: Any, instance: Any, args: tuple[Any, ...],
+def _after_model_init(record: CopyRecord, wrapped: Any, instance: Any, args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> None:
-    """Once a model exists: log the process's summary line (once) and compare ranks."""
+    """Once a model exists: refuse a configuration this copy is not covered for, log the
+    process's summary line (once) and compare ranks."""
     from . import reporting
 
     wrapped(*args, **kwargs)
+    coverage.check(record.detection, record.fixes, instance.ddp_config)
     global _summary_logged
     if not _summary_logged:
         _summary_logged = True

@@ -38,12 +38,16 @@ def finish_missed_post_backwards(model: Any) -> int:
         return 0  # inside backward (activation recomputation), or a shape we do not know
     units = tuple(model.fsdp_unit_modules)
     bucket_of = model.param_and_grad_buffer.param_to_param_group
+    # Between steps the module holds the optimizer's DTensor parameters; the buffer knows the
+    # raw ones, by the same names.
+    raw = model.raw_param
     finished = 0
-    for module in model.module.modules():
+    for prefix, module in model.module.named_modules():
         state = getattr(module, "_training_state", None)
         if not isinstance(module, units) or getattr(state, "name", None) != "PRE_BACKWARD":
             continue
-        for bucket_id in sorted({bucket_of[param] for param in module.parameters()}):
+        names = (f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters())
+        for bucket_id in sorted({bucket_of[raw[name]] for name in names}):
             model.all_gather_pipeline.release_bucket(bucket_id)
         module._training_state = type(state).IDLE
         finished += 1

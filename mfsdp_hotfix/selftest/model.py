@@ -68,6 +68,14 @@ class FusedWgradLinear(torch.nn.Module):
         return out
 
 
+class UnfusedLinear(FusedWgradLinear):
+    """The same weight, with plain autograd: its gradient reaches Megatron-FSDP through the
+    per-parameter hook (``_grad_acc``), never through the lazy getter."""
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(inp, self.weight)
+
+
 class McoreLinear(torch.nn.Module):
     """megatron-core's own ``linear_with_grad_accumulation_and_async_allreduce`` with fusion on."""
 
@@ -105,7 +113,7 @@ class Unit(torch.nn.Module):
 
     def __init__(self, hidden: int, linear: str = "emulated") -> None:
         super().__init__()
-        cls = McoreLinear if linear == "mcore" else FusedWgradLinear
+        cls = {"mcore": McoreLinear, "unfused": UnfusedLinear}.get(linear, FusedWgradLinear)
         self.fc1 = cls(hidden, 2 * hidden)
         self.fc2 = cls(2 * hidden, hidden)
         self.norm = torch.nn.LayerNorm(hidden)
