@@ -43,7 +43,7 @@ def finish_missed_post_backwards(model: Any) -> int:
     raw = model.raw_param
     finished = 0
     for prefix, module in model.module.named_modules():
-        state = getattr(module, "_training_state", None)
+        state: Any = getattr(module, "_training_state", None)
         if not isinstance(module, units) or getattr(state, "name", None) != "PRE_BACKWARD":
             continue
         names = (f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters())

@@ -41,6 +41,7 @@ class CaseSpec:
     double_buffer: bool = True
     strategy: str = "optim_grads_params"
     grad_reduce: str = "scale-then-sum"
+    python: str | None = None  # interpreter of the workers (another torch); None: this one
     linear: str = "emulated"
     units: int = 5
     hidden: int = 16
