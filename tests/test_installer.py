@@ -70,7 +70,9 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
     assert (before["hotfix"], before["loaded_via"]) == ("armed", "import")
     (copy,) = before["copies"]
     assert copy["imported"] is False
-    assert {fix["state"] for fix in copy["fixes"].values()} == {"would apply"}
+    assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
+        "getter-guard": "would apply", "ordered-drain": "would apply",
+        "missed-post-backward": "not needed"}
     assert data["status"]["hotfix"] == "active"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
                            "missed-post-backward": "not needed"}
