@@ -14,12 +14,18 @@ if TYPE_CHECKING:  # typing costs more to import than this whole package
     from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["HotfixRefused", "__version__", "apply_to", "install", "status", "summary",
-           "uninstall"]
+__all__ = ["HotfixRefused", "UnsupportedConfiguration", "__version__", "apply_to", "install",
+           "status", "summary", "uninstall"]
 
 
 class HotfixRefused(RuntimeError):
     """Strict mode: a Megatron-FSDP copy was found that the hotfix cannot verify."""
+
+
+class UnsupportedConfiguration(RuntimeError):
+    """A ``MegatronFSDP`` was built in a configuration that fails on this release and that the
+    hotfix could not repair here; the message names the release, the configuration and the
+    workaround."""
 
 
 def install(strict: bool | None = None) -> bool:

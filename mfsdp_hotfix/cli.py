@@ -89,7 +89,7 @@ def _unfixed(data: dict[str, Any]) -> list[str]:
         if copy["refused"]:
             problems.append(f"{name}: refused ({copy['reason']})")
         for fix, state in copy["fixes"].items():
-            if state["state"] in ("failed", "disabled", "off"):
+            if state["state"] in ("failed", "disabled", "off", "unverified"):
                 problems.append(f"{name}: {fix} {state['state']} ({state['reason']})")
     return problems
 

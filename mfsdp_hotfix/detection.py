@@ -76,10 +76,11 @@ class Detection:
 
 def detect_module(copy: Copy, buffer_module: ModuleType) -> Detection:
     """Classify ``copy`` from its imported ``param_and_grad_buffer`` module; never raises."""
-    path = str(Path(getattr(buffer_module, "__file__", "") or "?").parent)
+    buffer_file = Path(getattr(buffer_module, "__file__", "") or "?")
     sources, problems = _sources(lambda qualname: fingerprints.source_of(
         _resolve(buffer_module, qualname)))
-    return _classify(copy, path, sources, problems)
+    sources.update(_gate_sources(buffer_file))
+    return _classify(copy, str(buffer_file.parent), sources, problems)
 
 
 def detect_file(copy: Copy, buffer_file: Path) -> Detection:
@@ -89,6 +90,7 @@ def detect_file(copy: Copy, buffer_file: Path) -> Detection:
     except fingerprints.SourceUnavailable as exc:
         return _classify(copy, str(buffer_file.parent), {}, [str(exc)])
     sources, problems = _sources(tree.source)
+    sources.update(_gate_sources(buffer_file))
     return _classify(copy, str(buffer_file.parent), sources, problems)
 
 
@@ -141,7 +143,8 @@ def _classify(copy: Copy, path: str, sources: dict[str, str | None], problems: l
                        "rely on: a fork, a backport or a newer release. Nothing was patched; "
                        "report the fingerprints from `mfsdp-hotfix status --json` to the "
                        "mfsdp-hotfix maintainers, or upgrade mfsdp-hotfix")
-    known = {name: shape for name, shape in shapes.items() if shape is not None}
+    known = {name: shape for name, shape in shapes.items()
+             if shape is not None and name in registry.FUNCTIONS}
     era = registry.era_of(known[registry.GETTER], known[registry.DRAIN])
     release = versions.final_release(version)
     shipped = registry.RELEASES.get((copy.distribution, release or ""))
@@ -208,6 +211,22 @@ def _sources(source: Callable[[str], str]) -> tuple[dict[str, str | None], list[
             sources[qualname] = None
             problems.append(str(exc))
     return sources, problems
+
+
+def _gate_sources(buffer_file: Path) -> dict[str, str | None]:
+    """The gates' sources, parsed (not imported: the buffer module's hook runs before the model
+    module exists) from ``megatron_fsdp.py`` beside the buffer module; None where absent."""
+    try:
+        tree = fingerprints.parse_file(buffer_file.with_name("megatron_fsdp.py"))
+    except fingerprints.SourceUnavailable:
+        return dict.fromkeys(registry.GATES)
+    sources: dict[str, str | None] = {}
+    for qualname in registry.GATES:
+        try:
+            sources[qualname] = tree.source(qualname)
+        except KeyError:
+            sources[qualname] = None
+    return sources
 
 
 def _resolve(module: ModuleType, qualname: str) -> object:

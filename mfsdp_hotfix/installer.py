@@ -11,6 +11,7 @@ install did is read back by ``reporting``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import sys
@@ -22,7 +23,7 @@ from typing import Any
 
 import wrapt
 
-from . import HotfixRefused, crossrank, detection, incidents, registry
+from . import HotfixRefused, coverage, crossrank, detection, incidents, registry
 from . import settings as settings_module
 from .detection import Detection
 from .patching import Undo, wrap_attribute
@@ -33,10 +34,13 @@ log = logging.getLogger("mfsdp_hotfix")
 
 # Which fix module patches which of a copy's two modules.
 _FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
-               registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module")}
+               registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module"),
+               registry.MISSED_POST_BACKWARD.id: ("missed_post_backward", "model_module")}
 _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains before it "
                                          "allocates, as NVIDIA/Megatron-LM#5222 and "
-                                         "ROCm/Megatron-LM#146 do"}
+                                         "ROCm/Megatron-LM#146 do",
+               registry.MISSED_POST_BACKWARD.id: "its post-forward releases the parameters of a "
+                                                 "unit whose post-backward hook did not run"}
 
 
 @dataclass
@@ -194,6 +198,9 @@ def fix_state(fix: Fix, found: Detection, settings: settings_module.Settings
     """The state a fix starts in for a copy: one of :data:`reporting.FIX_STATES`."""
     if not settings.enabled:
         return "off", f"{settings_module.SWITCH}=0"
+    if fix.gate is not None and found.shapes.get(fix.gate) is None:
+        return "unverified", (f"{registry.short_name(fix.gate)} has a code shape this hotfix "
+                              "does not know, so the fix is not applied")
     if not found.needs(fix):
         return "not needed", _NOT_NEEDED[fix.id]
     if fix.id in settings.disabled_fixes:
@@ -218,16 +225,19 @@ def _apply_fixes(record: CopyRecord, copy: Copy, module_role: str) -> None:
         log.debug("mfsdp_hotfix: applied %s to %s %s", fix.id, copy.label,
                   record.detection.version)
     if module_role == "model_module" and "model-built" not in record.undo:
-        record.undo["model-built"] = wrap_attribute(module.MegatronFSDP, "__init__",
-                                                    _after_model_init, "model-built")
+        record.undo["model-built"] = wrap_attribute(
+            module.MegatronFSDP, "__init__", functools.partial(_after_model_init, record),
+            "model-built")
 
 
-def _after_model_init(wrapped: Any, instance: Any, args: tuple[Any, ...],
+def _after_model_init(record: CopyRecord, wrapped: Any, instance: Any, args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> None:
-    """Once a model exists: log the process's summary line (once) and compare ranks."""
+    """Once a model exists: refuse a configuration this copy is not covered for, log the
+    process's summary line (once) and compare ranks."""
     from . import reporting
 
     wrapped(*args, **kwargs)
+    coverage.check(record.detection, record.fixes, instance.ddp_config)
     global _summary_logged
     if not _summary_logged:
         _summary_logged = True

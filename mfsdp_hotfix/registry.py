@@ -53,6 +53,10 @@ GETTER = "ParamAndGradBuffer._init_each_parameter_group_buffers.<locals>.main_gr
 DRAIN = "GradReducePipeline._enforce_double_buffer_limit"
 WAIT = "GradReducePipeline.wait_for_previous_grad_reduce"
 FUNCTIONS = (GETTER, DRAIN, WAIT)
+# In the model module (megatron_fsdp.py), read beside the buffer module. Only a fix's own gate:
+# an unknown shape here does not refuse the copy, it leaves the fixes it gates unverified.
+HOOKS = "MegatronFSDP._register_fsdp_hooks"
+GATES = (HOOKS,)
 
 
 def short_name(qualname: str) -> str:
@@ -75,6 +79,8 @@ class Shape:
     drain_stream: str | None = None  # drain: where retired reduce-scatters are waited on,
     #                                  "caller" (the writer's stream) or "rs_stream"
     live_units: int | None = None  # drain: units left live, counting the incoming one
+    needs: frozenset[str] = frozenset()  # gate: ids of the fixes this shape needs
+    note: str = "ordered-drain reuses it"  # what any other shape implies
 
     def implies(self) -> str:
         """What the shape means for the fixes, in a few words."""
@@ -84,7 +90,9 @@ class Shape:
             where = "the caller's stream" if self.drain_stream == "caller" else self.drain_stream
             units = "unit" if self.live_units == 1 else "units"
             return f"waits on {where}, keeps {self.live_units} {units} live"
-        return "ordered-drain reuses it"
+        if self.needs:
+            return "needs " + ", ".join(sorted(self.needs))
+        return self.note
 
 
 SHAPES: dict[str, tuple[Shape, ...]] = {
@@ -110,6 +118,21 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
     WAIT: (
         Shape("0.14", "18a7000ad753206566df235d409814de9319429954a1f2761717b20d53920b2e"),
         Shape("0.17", "274b821a5fb1391b53f2cc32f68e06300fb7fafb7429e5a54b1f3134b232653f"),
+    ),
+    # A unit whose post-backward hook never ran stays PRE_BACKWARD; from 0.16 its next
+    # post-forward releases its parameters lazily, before 0.16 it keeps them gathered.
+    HOOKS: (
+        Shape("0.14", "165cb11b0521d204ab991b78257547ca679b491978d7c2240c64068e0ffe4ce0",
+              needs=frozenset({"missed-post-backward"})),
+        *(Shape(name, fingerprint, note="a stale unit's parameters are released lazily")
+          for name, fingerprint in (
+              ("0.16", "819fea0a1dbddaa5c909b026dd6660a873509886698a31a6d71e785aef76e450"),
+              ("0.17", "32fe8ef255b44a394c015edfbcaaf81868496e158c1dc3d32e7dbae0c93ef99c"),
+              ("0.18", "049be221636061637620cac833fc943cf6c8eedd59bd4b659d60f278751407fb"),
+              ("0.19", "fa95ce6cc803e35c9d0b319da2ef2115c31985aa725592638fbe1a6343079c9d"))),
+        # Forks and snapshots of 0.16 and later in their own words (the ROCm fork).
+        Shape("releases stale units lazily", structure="releases_stale_units_lazily",
+              note="a stale unit's parameters are released lazily"),
     ),
 }
 
@@ -140,7 +163,7 @@ def shipped_in(qualname: str, shape: Shape) -> str | None:
     for distribution in ("megatron-core", "megatron-fsdp"):
         found = sorted((tuple(int(n) for n in version.split(".")), version)
                        for (dist, version), shapes in RELEASES.items()
-                       if dist == distribution and shapes[qualname] == shape.name)
+                       if dist == distribution and shapes.get(qualname) == shape.name)
         if found:
             first, last = found[0][1], found[-1][1]
             parts.append(f"{distribution} {first}" + (f"-{last}" if last != first else ""))
@@ -185,6 +208,8 @@ class Fix:
     ``depends_on``: functions that must have a known shape for the fix to be applied (or for
     its need to be decided); an unknown shape there refuses the whole copy.
     ``only_unguarded``: needed only where the getter's shape is unguarded.
+    ``gate``: a model-module function (:data:`GATES`) whose shape alone decides the need (its
+    :attr:`Shape.needs`); an unknown shape there leaves the fix unverified, not the copy refused.
     """
 
     id: str
@@ -192,6 +217,7 @@ class Fix:
     depends_on: tuple[str, ...]
     only_unguarded: bool
     upstream: str
+    gate: str | None = None
 
 
 GETTER_GUARD = Fix(
@@ -207,10 +233,22 @@ ORDERED_DRAIN = Fix(
     (DRAIN, WAIT), False,
     "not fixed upstream as of megatron-core 0.19.2 / megatron-fsdp 0.6.1",
 )
-FIXES = (GETTER_GUARD, ORDERED_DRAIN)
+MISSED_POST_BACKWARD = Fix(
+    "missed-post-backward",
+    "a ZeRO-3 unit whose post-backward hook never ran (no input needs a gradient, e.g. the "
+    "first unit) is released before the next forward instead of keeping one of the 2 slots of "
+    "the double-buffered parameter pool ('[fsdp_params] No buffer found for bucket_id')",
+    (), False,
+    "not fixed as such; megatron-fsdp 0.3.0 / megatron-core 0.16.0 release such a unit's "
+    "parameters lazily, which avoids the crash",
+    gate=HOOKS,
+)
+FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
 
 
 def needed(fix: Fix, shapes: Mapping[str, Shape]) -> bool:
-    """Whether a copy with these (known) shapes needs ``fix``."""
+    """Whether a copy with these (known) shapes needs ``fix`` (a gated fix: its gate's shape)."""
+    if fix.gate is not None:
+        return fix.gate in shapes and fix.id in shapes[fix.gate].needs
     return not fix.only_unguarded or shapes[GETTER].guarded is False

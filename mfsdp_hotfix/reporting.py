@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import __version__, detection, incidents, installer, registry, trigger
+from . import __version__, coverage, detection, incidents, installer, registry, trigger
 from . import settings as settings_module
 from .installer import CopyRecord
 from .registry import Copy
@@ -37,6 +37,8 @@ FIX_STATES = {
     "not needed": "this copy's code does not have the defect the fix repairs",
     "disabled": f"listed in {settings_module.DISABLED_FIXES}",
     "failed": "the fix raised inside the hotfix and was switched off; the code runs as shipped",
+    "unverified": "this copy's code around the fix is not a shape the hotfix knows: not "
+                  "applied, and building a model in a configuration it covers is refused",
     "off": f"{settings_module.SWITCH}=0",
 }
 SHAPE_MEANING = ("each function is judged by its own code: 'as shipped in 0.17' means its text "
@@ -101,6 +103,7 @@ def _hotfix_state(settings: settings_module.Settings, installed: bool,
 def _record_dict(record: CopyRecord) -> dict[str, Any]:
     return {**record.detection.as_dict(), "imported": True,
             "fixes": {k: {"state": s, "reason": r} for k, (s, r) in record.fixes.items()},
+            "limits": coverage.limits(record.detection, record.fixes),
             "models_repaired": record.models_repaired}
 
 
@@ -111,8 +114,10 @@ def _not_imported(copy: Copy, settings: settings_module.Settings) -> list[dict[s
         return []
     found = detection.detect_file(copy, buffer_file)
     fixes: dict[str, dict[str, str]] = {}
+    states: dict[str, tuple[str, str]] = {}
     for fix in [] if found.refused else registry.FIXES:
-        state, reason = installer.fix_state(fix, found, settings)
+        state, reason = states[fix.id] = installer.fix_state(fix, found, settings)
         fixes[fix.id] = {"state": state,
                          "reason": fix.summary if state == installer.WOULD_APPLY else reason}
-    return [{**found.as_dict(), "imported": False, "fixes": fixes, "models_repaired": 0}]
+    return [{**found.as_dict(), "imported": False, "fixes": fixes,
+             "limits": coverage.limits(found, states), "models_repaired": 0}]

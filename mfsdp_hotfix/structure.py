@@ -35,6 +35,20 @@ def drains_before_fetching(source: str) -> bool:
     return False
 
 
+def releases_stale_units_lazily(source: str) -> bool:
+    """Whether ``MegatronFSDP._register_fsdp_hooks`` defines a ``release_module_parameters``
+    that takes a ``lazy`` argument: the design (megatron-fsdp 0.3.0 / megatron-core 0.16.0 on)
+    in which a unit left in ``PRE_BACKWARD`` gives its parameter slot back before the next
+    all-gather, so ``missed-post-backward`` is not needed."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return False
+    return any(isinstance(node, ast.FunctionDef) and node.name == "release_module_parameters"
+               and "lazy" in {arg.arg for arg in node.args.args + node.args.kwonlyargs}
+               for node in ast.walk(tree))
+
+
 def _called_attributes(node: ast.AST) -> set[str]:
     return {name for call in ast.walk(node) if isinstance(call, ast.Call)
             if (name := _attribute(call.func)) is not None}

@@ -36,7 +36,23 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
     assert copy["era"] == "B" and copy["refused"] is False and copy["imported"] is False
     assert set(copy["fingerprints"]) == set(copy["shapes"])
     assert {k: v["state"] for k, v in copy["fixes"].items()} == {
-        "getter-guard": "would apply", "ordered-drain": "would apply"}
+        "getter-guard": "would apply", "ordered-drain": "would apply",
+        "missed-post-backward": "not needed"}
+    assert [(x["fix"], x["covered"]) for x in copy["limits"]] == [
+        ("getter-guard", True), ("ordered-drain", True)]
+
+
+def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
+    code, data = status(fsdp_release("0.2.3"))
+    (copy,) = data["copies"]
+    assert code == 0 and copy["era"] == "A"
+    assert copy["shapes"]["MegatronFSDP._register_fsdp_hooks"] == "0.14"
+    assert copy["fixes"]["missed-post-backward"]["state"] == "would apply"
+    assert {x["configuration"]: x["covered"] for x in copy["limits"]} == {
+        "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True and fused "
+        "wgrad accumulation": True,
+        "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True": True,
+        "ZeRO-3 (optim_grads_params) with fsdp_double_buffer=True": True}
 
 
 def test_switched_off_install_fails_the_check(fsdp_release) -> None:

@@ -200,3 +200,44 @@ def test_drains_before_fetching(body: str, drains: bool) -> None:
     source = "    def main_grad_getter(p):\n" + "".join(
         f"        {line}\n" for line in body.splitlines())
     assert structure.drains_before_fetching(source) is drains
+HOOKS_SHAPE = {**{("megatron-fsdp", v): "0.14" for v in ("0.1.0", "0.2.0", "0.2.1", "0.2.2",
+                                                           "0.2.3")},
+               **{("megatron-core", v): "0.14" for v in ("0.14.0", "0.15.0", "0.15.1", "0.15.2",
+                                                          "0.15.3")},
+               ("megatron-fsdp", "0.3.1"): "0.16", ("megatron-core", "0.16.0"): "0.16",
+               ("megatron-fsdp", "0.4.0"): "0.17", ("megatron-core", "0.17.1"): "0.17",
+               ("megatron-fsdp", "0.5.1"): "0.18", ("megatron-core", "0.18.2"): "0.18",
+               ("megatron-fsdp", "0.6.1"): "0.19", ("megatron-core", "0.19.2"): "0.19"}
+
+
+@pytest.mark.parametrize(("dist", "version"), sorted(HOOKS_SHAPE))
+def test_model_module_shape_read_beside_the_buffer(dist: str, version: str) -> None:
+    """``_register_fsdp_hooks`` (the missed-post-backward gate) is read from megatron_fsdp.py."""
+    copy = STANDALONE if dist == "megatron-fsdp" else VENDORED
+    found = _detect(copy, releases.unpacked(dist, version))
+    shape = found.shapes[registry.HOOKS]
+    assert shape is not None and shape.name == HOOKS_SHAPE[(dist, version)]
+
+
+def test_unknown_model_module_shape_does_not_refuse_the_copy(tmp_path: Path) -> None:
+    root = tmp_path / "site"
+    shutil.copytree(releases.unpacked("megatron-fsdp", "0.2.3"), root)
+    (root / "megatron_fsdp" / "megatron_fsdp.py").write_text("class MegatronFSDP:\n    pass\n")
+    found = _detect(STANDALONE, root)
+    assert not found.refused and found.shapes[registry.HOOKS] is None
+
+
+def test_a_fork_of_the_lazy_release_design_needs_no_missed_post_backward(tmp_path: Path) -> None:
+    """A 0.16-or-later ``_register_fsdp_hooks`` in other words (a fork) is recognised by its
+    structure, not refused nor left unverified."""
+    root = tmp_path / "site"
+    shutil.copytree(releases.unpacked("megatron-fsdp", "0.3.1"), root)
+    model = root / "megatron_fsdp" / "megatron_fsdp.py"
+    model.write_text(model.read_text().replace(
+        "def release_module_parameters(module, bwd, lazy=False, *unused):",
+        "def release_module_parameters(module, bwd, lazy=False, *unused):  # fork\n"
+        "            _ = 'a fork'", 1))
+    found = _detect(STANDALONE, root)
+    shape = found.shapes[registry.HOOKS]
+    assert shape is not None and shape.name == "releases stale units lazily"
+    assert not found.needs(registry.MISSED_POST_BACKWARD)

@@ -54,8 +54,8 @@ def test_each_snapshot_gets_the_era_of_its_code(name: str, tmp_path: Path) -> No
 
 def test_rocm_146_getter_is_recognised_by_its_structure(tmp_path: Path) -> None:
     found = _detect(_built("rocm-146", tmp_path))
-    assert found.matched_by == {registry.GETTER: "structure", registry.DRAIN: "fingerprint",
-                                registry.WAIT: "fingerprint"}
+    assert {f: found.matched_by[f] for f in registry.FUNCTIONS} == {
+        registry.GETTER: "structure", registry.DRAIN: "fingerprint", registry.WAIT: "fingerprint"}
     getter, drain, wait = (found.shapes[f] for f in registry.FUNCTIONS)
     assert getter is not None and getter.guarded and getter.fingerprint is None
     assert drain is not None and (drain.name, drain.drain_stream) == ("0.19", "rs_stream")
@@ -124,7 +124,8 @@ def test_status_says_which_function_matched_which_shape_and_how(tmp_path: Path) 
         "as_shipped_in": "megatron-core 0.19.0-0.19.2, megatron-fsdp 0.6.0-0.6.1",
         "implies": "waits on rs_stream, keeps 2 units live"}
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
-        "getter-guard": "not needed", "ordered-drain": "would apply"}
+        "getter-guard": "not needed", "ordered-drain": "would apply",
+        "missed-post-backward": "not needed"}
     text = _status(root)
     assert ("main_grad_getter: drains before fetching, recognised by structure (guarded)"
             in text)
@@ -139,4 +140,5 @@ def test_status_of_a_git_snapshot_says_it_is_judged_by_its_code(tmp_path: Path) 
     assert (copy["version"], copy["label_kind"], copy["era"]) == ("0.19.0+d199bb9", "local", "B")
     assert copy["reason"] == "era B by code shape"
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
-        "getter-guard": "would apply", "ordered-drain": "would apply"}
+        "getter-guard": "would apply", "ordered-drain": "would apply",
+        "missed-post-backward": "not needed"}

@@ -26,10 +26,12 @@ import torch
 class _FusedWgradLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, inp: torch.Tensor, weight: torch.Tensor,
-                main_grad_func: Callable[[], torch.Tensor] | None) -> torch.Tensor:
+                main_grad_func: Callable[[], torch.Tensor] | None,
+                always_overwrite: bool = False) -> torch.Tensor:
         ctx.save_for_backward(inp, weight)
         ctx.param = weight  # the parameter object itself: TE sets attributes on it
         ctx.main_grad_func = main_grad_func
+        ctx.always_overwrite = always_overwrite
         return inp.matmul(weight.t())
 
     @staticmethod
@@ -39,19 +41,21 @@ class _FusedWgradLinear(torch.autograd.Function):
         grad_in = grad_out.matmul(weight)
         wgrad = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(inp.reshape(-1, inp.shape[-1]))
         if ctx.main_grad_func is None:
-            return grad_in, wgrad, None
+            return grad_in, wgrad, None, None
         main_grad = ctx.main_grad_func()
         param = ctx.param
-        if getattr(param, "overwrite_main_grad", False):
+        if ctx.always_overwrite or getattr(param, "overwrite_main_grad", False):
             main_grad.copy_(wgrad)
         else:
             main_grad.add_(wgrad)
         param.grad_added_to_main_grad = True
-        return grad_in, torch.full_like(weight, float("nan")), None
+        return grad_in, torch.full_like(weight, float("nan")), None, None
 
 
 class FusedWgradLinear(torch.nn.Module):
     """Bias-free linear; fused wgrad accumulation whenever its weight is a Megatron-FSDP param."""
+
+    always_overwrite = False
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -64,8 +68,25 @@ class FusedWgradLinear(torch.nn.Module):
         if hasattr(weight, "__fsdp_param__") and hasattr(weight, "get_main_grad"):
             main_grad_func = weight.get_main_grad  # captured now, called in backward (TE)
         out: torch.Tensor = _FusedWgradLinear.apply(  # type: ignore[no-untyped-call]
-            inp, weight, main_grad_func)
+            inp, weight, main_grad_func, self.always_overwrite)
         return out
+
+
+class OverwritingLinear(FusedWgradLinear):
+    """megatron-core 0.14-0.15's own fused path for a Megatron-FSDP weight: the wgrad always
+    overwrites ``main_grad`` (``matmul(..., out=main_grad)``), ``overwrite_main_grad`` or not.
+    Needed for megatron-fsdp 0.1.0, which does not set ``overwrite_main_grad`` (0.2.0 does): a
+    wgrad that honours TransformerEngine's contract would add to an uninitialised bucket."""
+
+    always_overwrite = True
+
+
+class UnfusedLinear(FusedWgradLinear):
+    """The same weight, with plain autograd: its gradient reaches Megatron-FSDP through the
+    per-parameter hook (``_grad_acc``), never through the lazy getter."""
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(inp, self.weight)
 
 
 class McoreLinear(torch.nn.Module):
@@ -105,7 +126,8 @@ class Unit(torch.nn.Module):
 
     def __init__(self, hidden: int, linear: str = "emulated") -> None:
         super().__init__()
-        cls = McoreLinear if linear == "mcore" else FusedWgradLinear
+        cls = {"mcore": McoreLinear, "unfused": UnfusedLinear,
+               "overwrite": OverwritingLinear}.get(linear, FusedWgradLinear)
         self.fc1 = cls(hidden, 2 * hidden)
         self.fc2 = cls(2 * hidden, hidden)
         self.norm = torch.nn.LayerNorm(hidden)

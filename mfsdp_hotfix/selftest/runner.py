@@ -27,7 +27,7 @@ def worker_env(spec: CaseSpec) -> dict[str, str]:
     """Environment of the workers: release first on the path, hotfix switches as the spec says."""
     env = dict(os.environ)
     paths = [spec.path] if spec.path else []
-    if str(_PACKAGE_ROOT) not in {str(Path(p).resolve()) for p in sys.path if p}:
+    if spec.python or str(_PACKAGE_ROOT) not in {str(Path(p).resolve()) for p in sys.path if p}:
         paths.append(str(_PACKAGE_ROOT))
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
@@ -56,7 +56,8 @@ def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w+b")  # closed below
             logs.append(log)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "mfsdp_hotfix.selftest.worker", spec.to_json(),
+                [spec.python or sys.executable, "-m", "mfsdp_hotfix.selftest.worker",
+                 spec.to_json(),
                  str(rank), str(WORLD), store, tmp],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         started = time.monotonic()

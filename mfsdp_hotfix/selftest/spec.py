@@ -13,6 +13,7 @@ from typing import Any
 FLAVOURS = ("auto", "standalone", "core")
 ZERO_STAGE = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 HOTFIX_MODES = ("on", "off")
+GRAD_REDUCES = ("scale-then-sum", "per-token")
 
 
 @dataclass
@@ -25,6 +26,12 @@ class CaseSpec:
     ``disabled_fixes`` goes to ``MFSDP_HOTFIX_DISABLED_FIXES`` (negative controls).
     ``path``: a folder put first on the workers' ``sys.path`` (an unpacked release), or None for
     whatever is importable.
+    ``grad_reduce``: how the mean over ranks is formed, gloo having no PREMUL_SUM.
+    "scale-then-sum": the release multiplies by 1/world size, then reduces with SUM
+    (``gradient_reduce_div_fusion=False``).  "per-token": ``calculate_per_token_loss=True``, so
+    the release only sums, and each rank's loss carries the 1/world size (exact: a power of two).
+    megatron-fsdp 0.1.0-0.2.3 / megatron-core 0.14-0.15 need "per-token": their scale-then-sum
+    path scales the local shard instead of the bucket it reduces (see docs/OLDEST_RELEASES.md).
     """
 
     flavour: str = "auto"
@@ -33,6 +40,8 @@ class CaseSpec:
     disabled_fixes: str = ""
     double_buffer: bool = True
     strategy: str = "optim_grads_params"
+    grad_reduce: str = "scale-then-sum"
+    python: str | None = None  # interpreter of the workers (another torch); None: this one
     linear: str = "emulated"
     units: int = 5
     hidden: int = 16
@@ -64,6 +73,8 @@ class CaseSpec:
         bits.append(f"ZeRO-{ZERO_STAGE.get(self.strategy, self.strategy)}")
         bits.append("double buffer" if self.double_buffer else "no double buffer")
         bits.append(f"{self.units} units, {self.microbatches} microbatch(es)")
+        if self.grad_reduce != "scale-then-sum":
+            bits.append(f"grad reduce {self.grad_reduce}")
         if self.linear != "emulated":
             bits.append(f"linear={self.linear}")
         return ", ".join(bits)

@@ -112,9 +112,10 @@ def _wrap(fully_shard: ModuleType, module: Any, unit_cls: type, spec: CaseSpec) 
     wanted: dict[str, Any] = {
         "module": module, "device_mesh": mesh, "dp_shard_dim": "fsdp", "tp_dim": "tp",
         "fsdp_unit_modules": [unit_cls],
-        "zero_dp_strategy": 3 if spec.strategy == "optim_grads_params" else 2,
+        "zero_dp_strategy": spec.strategy,
         "device": torch.device("cpu"), "fsdp_double_buffer": spec.double_buffer,
         "overlap_grad_reduce": True, "overlap_param_gather": True,
+        "calculate_per_token_loss": spec.grad_reduce == "per-token",
     }
     accepted = inspect.signature(fully_shard.fully_shard_model).parameters
     model = fully_shard.fully_shard_model(**{k: v for k, v in wanted.items() if k in accepted})
@@ -122,6 +123,12 @@ def _wrap(fully_shard: ModuleType, module: Any, unit_cls: type, spec: CaseSpec) 
     if hasattr(model.ddp_config, "gradient_reduce_div_fusion"):
         model.ddp_config.gradient_reduce_div_fusion = False
     return model
+
+
+def _rank_loss(spec: CaseSpec, loss: Any, world: int) -> Any:
+    """What a rank back-propagates: with "per-token" the release only sums over ranks, so the
+    1/world size of the mean is applied here (a power of two: exact)."""
+    return loss / world if spec.grad_reduce == "per-token" else loss
 
 
 def _reference(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any) -> list[dict[str, Any]]:
@@ -208,7 +215,8 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
                 if hasattr(fsdp, "set_is_last_microbatch"):
                     fsdp.set_is_last_microbatch(mb == spec.microbatches - 1)
                 out = fsdp(inputs[it, mb, rank])
-                model_lib.loss_fn(out, targets[it, mb, rank]).backward()  # type: ignore[no-untyped-call]
+                _rank_loss(spec, model_lib.loss_fn(out, targets[it, mb, rank]),
+                           world).backward()
             fsdp.finish_grad_sync()
             named = dict(fsdp.module.named_parameters())
             grads = _gather_full({n: p.grad for n, p in named.items()},

@@ -1,0 +1,70 @@
+"""Fix ``missed-post-backward``: finish, before the next forward, the post-backward of a ZeRO-3
+unit whose hook never ran.
+
+megatron-fsdp 0.1.0-0.2.3 / megatron-core 0.14-0.15 attach a unit's post-backward hook to the
+unit's *inputs* that need a gradient. A unit with none (the first unit when the model's input is
+data, a unit fed a detached tensor) never gets it: at the start of backward the root hook sets
+every unit to ``PRE_BACKWARD``, and only the post-backward hook sets a unit back to ``IDLE``.
+At the next forward the stale unit looks like an activation recomputation in progress: its
+post-forward keeps its parameters gathered. With ``fsdp_double_buffer`` the parameter pool has 2
+slots, so the stale unit and the next unit fill it and the first prefetch asserts
+``[fsdp_params] No buffer found for bucket_id``. (From megatron-fsdp 0.3.0 such a post-forward
+releases lazily, which frees the slot before the next all-gather.)
+
+Before ``MegatronFSDP.forward`` runs, and only when no backward is in progress (a forward inside
+backward is a recomputation, whose states are live), each unit still in ``PRE_BACKWARD`` gets what
+its post-backward hook would have done to it: its parameter buckets are released and it is set
+to ``IDLE``. Its gradients need nothing: the root post-backward hook already reduced them.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from .. import incidents
+from ..patching import Undo, wrap_attribute
+from ..registry import MISSED_POST_BACKWARD
+
+
+def finish_missed_post_backwards(model: Any) -> int:
+    """Release and reset the units of ``model`` that a finished backward left in
+    ``PRE_BACKWARD``; returns how many there were."""
+    config = model.ddp_config
+    if not (config.fsdp_double_buffer
+            and config.data_parallel_sharding_strategy == "optim_grads_params"):
+        return 0  # no 2-slot parameter pool: a stale unit costs memory, not a crash
+    if getattr(model, "_root_pre_backward_hook_issued", True):
+        return 0  # inside backward (activation recomputation), or a shape we do not know
+    units = tuple(model.fsdp_unit_modules)
+    bucket_of = model.param_and_grad_buffer.param_to_param_group
+    # Between steps the module holds the optimizer's DTensor parameters; the buffer knows the
+    # raw ones, by the same names.
+    raw = model.raw_param
+    finished = 0
+    for prefix, module in model.module.named_modules():
+        state: Any = getattr(module, "_training_state", None)
+        if not isinstance(module, units) or getattr(state, "name", None) != "PRE_BACKWARD":
+            continue
+        names = (f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters())
+        for bucket_id in sorted({bucket_of[raw[name]] for name in names}):
+            model.all_gather_pipeline.release_bucket(bucket_id)
+        module._training_state = type(state).IDLE
+        finished += 1
+    return finished
+
+
+def apply(model_module: ModuleType) -> Undo:
+    """Run :func:`finish_missed_post_backwards` before every ``MegatronFSDP.forward``."""
+
+    def before_forward(wrapped: Any, instance: Any, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+        if not incidents.disabled(MISSED_POST_BACKWARD.id):
+            try:
+                finish_missed_post_backwards(instance)
+            except Exception as exc:
+                incidents.report(MISSED_POST_BACKWARD.id, "MegatronFSDP.forward", exc)
+        return wrapped(*args, **kwargs)
+
+    return wrap_attribute(model_module.MegatronFSDP, "forward", before_forward,
+                          MISSED_POST_BACKWARD.id)
