@@ -1,4 +1,5 @@
-"""Replace a class attribute with a marked wrapper function, and undo it only if it is still ours.
+"""Replace a class attribute (or a module's function) with a marked wrapper function, and undo it
+only if it is still ours.
 
 The wrappers are plain functions (``functools.wraps``, so ``__wrapped__``, the signature and
 ``inspect.unwrap`` still lead to the release's code): one of them sits on the backward pass's hot
@@ -28,19 +29,27 @@ def fix_of(obj: object) -> str | None:
     return getattr(obj, MARK, None) if isinstance(obj, types.FunctionType) else None
 
 
-def wrap_attribute(owner: type, name: str, wrapper: Wrapper, fix_id: str) -> Undo:
-    """Wrap the method ``owner.name`` (from the class's own dict) and return the undo."""
+def wrap_attribute(owner: type, name: str, wrapper: Wrapper, fix_id: str,
+                   builtin: bool = False) -> Undo:
+    """Wrap the method ``owner.name`` (from the class's own dict) and return the undo.
+
+    ``builtin``: also accept a method implemented in C (an extension type's), bound per call.
+    """
     original = owner.__dict__[name]
-    if not isinstance(original, types.FunctionType):
+    if not isinstance(original, types.FunctionType) and not (builtin and callable(original)):
         raise TypeError(f"{owner.__qualname__}.{name} is a {type(original).__name__}, not a "
                         "plain function: not the code shape this fix was written for")
     if fix_of(original) == fix_id:
         raise RuntimeError(f"{owner.__qualname__}.{name} already carries {fix_id}")
 
-    @functools.wraps(original)
-    def installed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return wrapper(original.__get__(self, owner), self, args, kwargs)
+    if builtin:
+        def installed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return wrapper(types.MethodType(original, self), self, args, kwargs)
+    else:
+        def installed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return wrapper(original.__get__(self, owner), self, args, kwargs)
 
+    functools.update_wrapper(installed, original)
     setattr(installed, MARK, fix_id)
     setattr(owner, name, installed)
 
@@ -51,6 +60,31 @@ def wrap_attribute(owner: type, name: str, wrapper: Wrapper, fix_id: str) -> Und
                         "first)", owner.__qualname__, name, fix_id)
             return False
         setattr(owner, name, original)
+        return True
+
+    return undo
+
+
+def wrap_function(module: types.ModuleType, name: str, wrapper: Wrapper, fix_id: str) -> Undo:
+    """Wrap the function ``module.name`` (called as ``wrapper(original, None, args, kwargs)``)
+    and return the undo; only callers that look the name up at call time see the wrapper."""
+    original = getattr(module, name)
+    if fix_of(original) == fix_id:
+        raise RuntimeError(f"{module.__name__}.{name} already carries {fix_id}")
+
+    @functools.wraps(original)
+    def installed(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(original, None, args, kwargs)
+
+    setattr(installed, MARK, fix_id)
+    setattr(module, name, installed)
+
+    def undo() -> bool:
+        if getattr(module, name, None) is not installed:
+            log.warning("mfsdp_hotfix: %s.%s was replaced again by someone else after %s; "
+                        "leaving it in place", module.__name__, name, fix_id)
+            return False
+        setattr(module, name, original)
         return True
 
     return undo

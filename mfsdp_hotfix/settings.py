@@ -18,8 +18,9 @@ DISABLED_FIXES = "MFSDP_HOTFIX_DISABLED_FIXES"
 CROSS_RANK_CHECK = "MFSDP_HOTFIX_CROSS_RANK_CHECK"
 CROSS_RANK_TIMEOUT = "MFSDP_HOTFIX_CROSS_RANK_TIMEOUT"
 BOOTSTRAP = "MFSDP_HOTFIX_BOOTSTRAP"
+AUDIT = "MFSDP_HOTFIX_AUDIT"
 
-ALL_VARIABLES = (SWITCH, DISABLED_FIXES, CROSS_RANK_CHECK, CROSS_RANK_TIMEOUT, BOOTSTRAP)
+ALL_VARIABLES = (SWITCH, DISABLED_FIXES, CROSS_RANK_CHECK, CROSS_RANK_TIMEOUT, BOOTSTRAP, AUDIT)
 DEFAULT_CROSS_RANK_TIMEOUT = 60.0
 
 _SWITCH_VALUES = {"": "on", "1": "on", "on": "on", "true": "on", "yes": "on",
@@ -37,6 +38,7 @@ class Settings:
     disabled_fixes: frozenset[str] = frozenset()
     cross_rank_check: str = "error"  # "error", "warn" or "off"
     cross_rank_timeout: float = DEFAULT_CROSS_RANK_TIMEOUT  # seconds to wait for other ranks
+    audit_path: str | None = None  # MFSDP_HOTFIX_AUDIT: rank files go to <path>.rank<N>.json
     problems: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -77,7 +79,7 @@ def read(env: Mapping[str, str] | None = None, known_fixes: frozenset[str] = fro
                         f"{', '.join(sorted(known_fixes))}, or '*'); ignoring those names")
     return Settings(mode=mode, disabled_fixes=frozenset(names - set(unknown)),
                     cross_rank_check=check, cross_rank_timeout=_seconds(env, problems),
-                    problems=tuple(problems))
+                    audit_path=env.get(AUDIT, "").strip() or None, problems=tuple(problems))
 
 
 def _unknown(name: str) -> str:

@@ -2,8 +2,9 @@
 
 Why: on CPU every collective is synchronous, so the stream race the hotfix repairs cannot
 *happen*; it can still be *detected*.  Streams and events here do nothing to the computation,
-but they keep vector clocks, so that "has stream W already waited (directly or transitively)
-for event E?" can be answered exactly as CUDA would order it.
+but they keep vector clocks (``mfsdp_hotfix.happens_before``, the model the audit uses too), so
+that "has stream W already waited (directly or transitively) for event E?" can be answered
+exactly as CUDA would order it.
 
 Semantics kept from CUDA:
 * the current stream is thread-local; ``stream(s)`` switches it, ``current_stream()`` reads it;
@@ -24,61 +25,48 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from mfsdp_hotfix.happens_before import Mark, Timeline
+
 _stream_ids = itertools.count(0)
 
-
-class HostClock:
-    """What the host has observed as complete (through ``synchronize``)."""
-
-    def __init__(self) -> None:
-        self.clock: dict[int, int] = {}
-
-    def merge(self, clock: dict[int, int]) -> None:
-        _merge_into(self.clock, clock)
-
-
-HOST = HostClock()
-
-
-def _merge_into(target: dict[int, int], source: dict[int, int]) -> None:
-    for key, value in source.items():
-        if target.get(key, -1) < value:
-            target[key] = value
+# The stand-in's own clocks (the audit keeps a separate Timeline of what it observes).
+TIMELINE = Timeline()
 
 
 class Event:
-    """A recorded point on one stream, carrying what that stream had waited on (a vector clock)."""
+    """A recorded point on one stream (its :class:`Mark` carries what that stream had waited on)."""
 
     _last_recorded: Event | None = None
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, **_: Any) -> None:
         self.stream: Stream | None = None
-        self.position = -1
-        self.clock: dict[int, int] = {}
+        self.mark: Mark | None = None
 
     @property
     def recorded(self) -> bool:
-        return self.stream is not None
+        return self.mark is not None
+
+    @property
+    def position(self) -> int:
+        return self.mark.position if self.mark is not None else -1
 
     def record(self, stream: Stream | None = None) -> None:
         target = stream if stream is not None else current_stream()
-        target.position += 1
         self.stream = target
-        self.position = target.position
-        self.clock = dict(target.clock)
-        self.clock[target.stream_id] = target.position
+        self.mark = TIMELINE.record(target.stream_id)
         Event._last_recorded = self
 
     def wait(self, stream: Stream | None = None) -> None:
         (stream if stream is not None else current_stream()).wait_event(self)
 
     def synchronize(self) -> None:
-        HOST.merge(self.clock)
+        if self.mark is not None:
+            TIMELINE.host_waited(self.mark)
 
     def query(self) -> bool:
         # On CPU the work is already done; a True answer lets the host act on it.
-        HOST.merge(self.clock)
+        self.synchronize()
         return True
 
     def elapsed_time(self, end_event: Event) -> float:
@@ -96,18 +84,16 @@ class Stream:
                  **_: Any) -> None:
         self.stream_id = next(_stream_ids)
         self.name = name or f"stream{self.stream_id}"
-        self.position = 0
-        self.clock: dict[int, int] = {}
         self.waited: list[Event] = []
         self.priority = priority
         _known.append(self)
 
     # ---- ordering
     def wait_event(self, event: Event | None = None) -> None:
-        if event is None or not event.recorded:
+        if event is None or event.mark is None:
             return  # CUDA: waiting on an unrecorded event is a no-op
         self.waited.append(event)
-        _merge_into(self.clock, event.clock)
+        TIMELINE.wait(self.stream_id, event.mark)
 
     def wait_stream(self, stream: Stream) -> None:
         if stream is self:
@@ -120,18 +106,18 @@ class Stream:
         return target
 
     def synchronize(self) -> None:
-        HOST.merge({**self.clock, self.stream_id: self.position})
+        TIMELINE.host_waited_stream(self.stream_id)
 
     def query(self) -> bool:
+        self.synchronize()
         return True
 
     # ---- queries used by the ordering checker
     def has_waited_for(self, event: Event) -> bool:
         """True when work enqueued on this stream now is ordered after ``event``."""
-        if event.stream is None or event.stream is self:
+        if event.mark is None or event.stream is self:
             return True
-        sid = event.stream.stream_id
-        return max(self.clock.get(sid, -1), HOST.clock.get(sid, -1)) >= event.position
+        return TIMELINE.ordered(self.stream_id, event.mark)
 
     # ---- odds and ends some code touches
     @property

@@ -1,0 +1,192 @@
+"""What the audit leaves behind: one JSON file per rank, one summary line per job, and the
+``mfsdp-hotfix audit`` command's reading of the files.
+
+Rank file ``<path>.rank<N>.json``: ``{"rank", "world_size", "final", "steps", "audit",
+"copies": [{"package", "version", "era", "fixes", "audited", "reuses", "unordered",
+"first_unordered", "crashed", "crash", "note"}]}``. It is rewritten after ``finish_grad_sync``
+(the first one, whenever the unordered count or a crash changes, and at least every
+``REWRITE_S`` seconds otherwise, so that thousands of ranks do not hammer a shared file system
+every step) and at exit. Written to a temporary file and renamed: a reader never sees half a file.
+
+Job summary: at exit, each rank publishes its totals in the process group's key-value store (the
+one the cross-rank check uses, with its switch and timeout); rank 0 waits for them and logs one
+line. Neither a file that cannot be written nor a failing store stops the job: one warning each.
+Reading rank files needs neither torch nor megatron.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+import time
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger("mfsdp_hotfix")
+
+REWRITE_S = 30.0
+STORE_PREFIX = "mfsdp_hotfix/audit/"
+
+
+def rank_file(path: str, rank: int) -> str:
+    return f"{path}.rank{rank}.json"
+
+
+class RankFile:
+    """Writes one rank's report, throttled as the module docstring says."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._last_write = 0.0
+        self._last_state: tuple[Any, ...] | None = None
+        self.written = 0
+
+    def due(self, state: tuple[Any, ...]) -> bool:
+        """Whether a report whose problem ``state`` (unordered counts, crashes) is this is due."""
+        return state != self._last_state or time.monotonic() - self._last_write >= REWRITE_S
+
+    def write(self, report: dict[str, Any], state: tuple[Any, ...]) -> str:
+        """Write ``report`` now; returns the file name. Raises OSError on failure."""
+        target = rank_file(self.path, int(report["rank"]))
+        folder = os.path.dirname(target)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        temporary = f"{target}.{os.getpid()}.tmp"
+        with open(temporary, "w") as handle:
+            json.dump(report, handle, indent=1, sort_keys=True, default=str)
+        os.replace(temporary, target)
+        self._last_write, self._last_state = time.monotonic(), state
+        self.written += 1
+        return target
+
+
+def totals(report: dict[str, Any]) -> dict[str, int]:
+    """One rank's numbers, summed over its copies."""
+    copies = report.get("copies", [])
+    return {"reuses": sum(int(c.get("reuses", 0)) for c in copies),
+            "unordered": sum(int(c.get("unordered", 0)) for c in copies),
+            "crashed": int(any(c.get("crashed") for c in copies)),
+            "disabled": int(bool(report.get("audit", "on") != "on"))}
+
+
+def exchange(store: Any, rank: int, world: int, mine: dict[str, int], timeout_s: float
+             ) -> dict[int, dict[str, int]] | None:
+    """Publish this rank's totals; on rank 0, wait for the others' and return them by rank."""
+    keys = [f"{STORE_PREFIX}{r}" for r in range(world)]
+    store.set(keys[rank], json.dumps(mine))
+    if rank != 0:
+        return None
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except Exception:
+        pass  # the ranks that did not answer are named in the job line
+    return {r: json.loads(store.get(key)) for r, key in enumerate(keys) if store.check([key])}
+
+
+def job_line(found: dict[int, dict[str, int]], world: int, path: str, timeout_s: float
+             ) -> tuple[str, str]:
+    """The job's verdict (``UNORDERED``, ``CRASH``, ``INCOMPLETE``, ``ordered``) and its line."""
+    reuses = sum(t["reuses"] for t in found.values())
+    unordered = {r: t["unordered"] for r, t in found.items() if t["unordered"]}
+    crashed = [r for r, t in found.items() if t["crashed"]]
+    disabled = [r for r, t in found.items() if t.get("disabled")]
+    silent = [r for r in range(world) if r not in found]
+    verdict = ("UNORDERED" if unordered else "CRASH" if crashed else
+               "INCOMPLETE" if silent or disabled else "ordered")
+    parts = [f"mfsdp_hotfix audit, {world} rank{'s' if world > 1 else ''}: {verdict}: "
+             f"{sum(unordered.values())} unordered of {reuses} gradient-slot reuses"]
+    if unordered:
+        parts.append(f"unordered on ranks {_ranks(sorted(unordered))}")
+    if crashed:
+        parts.append(f"'No buffer found' crash on ranks {_ranks(crashed)}")
+    if disabled:
+        parts.append(f"audit disabled by an error on ranks {_ranks(disabled)}")
+    if silent:
+        parts.append(f"no report within {timeout_s:g} s from ranks {_ranks(silent)}")
+    return verdict, "; ".join(parts) + f" (details: {path}.rank*.json)"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks)) if len(ranks) < 8 else \
+        f"{ranks[0]}..{ranks[-1]} ({len(ranks)} ranks)"
+
+
+# ---- reading (the CLI)
+def read_rank_files(path: str, since: float = 0.0) -> tuple[dict[int, dict[str, Any]],
+                                                            list[str]]:
+    """The rank files of ``path`` modified at or after ``since`` (others are listed as stale)."""
+    reports: dict[int, dict[str, Any]] = {}
+    stale: list[str] = []
+    pattern = re.compile(re.escape(os.path.basename(path)) + r"\.rank(\d+)\.json$")
+    for name in sorted(glob.glob(glob.escape(path) + ".rank*.json")):
+        match = pattern.search(os.path.basename(name))
+        if match is None:
+            continue
+        try:
+            if os.path.getmtime(name) < since:
+                stale.append(name)
+                continue
+            with open(name) as handle:
+                reports[int(match.group(1))] = json.load(handle)
+        except (OSError, ValueError) as exc:
+            stale.append(f"{name} (unreadable: {exc})")
+    return reports, stale
+
+
+def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[str]]:
+    """A verdict (``UNORDERED``, ``CRASH``, ``INCOMPLETE``, ``ordered``, ``NO DATA``) and the
+    lines that explain it, from the rank files."""
+    if not reports:
+        return "NO DATA", [f"no rank file {path}.rank<N>.json was written: no Megatron-FSDP "
+                           "copy was imported, the hotfix was not loaded in the training "
+                           "processes (run through `mfsdp-hotfix audit` or the installed "
+                           "bootstrap), or no finish_grad_sync() ran"]
+    lines = []
+    per_copy: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    for rank, report in sorted(reports.items()):
+        for copy in report.get("copies", []):
+            key = (str(copy.get("package")), str(copy.get("version")), str(copy.get("era")),
+                   ",".join(copy.get("fixes") or []) or "none")
+            entry = per_copy.setdefault(key, {"ranks": [], "reuses": 0, "unordered": 0,
+                                              "unordered_ranks": [], "crashed": [],
+                                              "first": None, "notes": set()})
+            entry["ranks"].append(rank)
+            entry["reuses"] += int(copy.get("reuses", 0))
+            entry["unordered"] += int(copy.get("unordered", 0))
+            if copy.get("unordered"):
+                entry["unordered_ranks"].append(rank)
+                entry["first"] = entry["first"] or (rank, copy.get("first_unordered"))
+            if copy.get("crashed"):
+                entry["crashed"].append((rank, copy.get("crash")))
+            if copy.get("note"):
+                entry["notes"].add(copy["note"])
+    for (package, version, era, fixes), entry in per_copy.items():
+        lines.append(f"{package} {version} (era {era}, hotfix fixes applied: {fixes}), ranks "
+                     f"{_ranks(entry['ranks'])}: {entry['unordered']} unordered of "
+                     f"{entry['reuses']} gradient-slot reuses")
+        if entry["first"]:
+            rank, first = entry["first"]
+            lines.append(f"  first unordered reuse (rank {rank}): {json.dumps(first)}")
+        for rank, crash in entry["crashed"][:3]:
+            lines.append(f"  crashed on rank {rank}: {json.dumps(crash)}")
+        lines += [f"  note: {note}" for note in sorted(entry["notes"])]
+    disabled = {r: rep.get("audit") for r, rep in reports.items() if rep.get("audit", "on") != "on"}
+    for rank, why in sorted(disabled.items()):
+        lines.append(f"  audit {why} on rank {rank}: counts there are incomplete")
+    worlds = {int(rep.get("world_size") or 0) for rep in reports.values()}
+    world = max(worlds) if worlds else 0
+    missing = [r for r in range(world) if r not in reports]
+    if missing:
+        lines.append(f"no rank file from ranks {_ranks(missing)} of {world}")
+    unfinished = [r for r, rep in reports.items() if not rep.get("final")]
+    if unfinished:
+        lines.append(f"rank files not final (the process did not exit normally) on ranks "
+                     f"{_ranks(sorted(unfinished))}")
+    unordered = sum(e["unordered"] for e in per_copy.values())
+    crashed = any(e["crashed"] for e in per_copy.values())
+    verdict = ("UNORDERED" if unordered else "CRASH" if crashed else
+               "INCOMPLETE" if missing or disabled or not per_copy else "ordered")
+    return verdict, lines
