@@ -1,7 +1,8 @@
-"""``mfsdp-hotfix``: status, selftest, run and bootstrap-path.
+"""``mfsdp-hotfix``: status, selftest, run, audit and bootstrap-path.
 
 ``status`` and ``bootstrap-path`` work without torch; ``selftest`` needs torch and a
-Megatron-FSDP copy; ``run`` starts a command with the sitecustomize bootstrap on PYTHONPATH.
+Megatron-FSDP copy; ``run`` starts a command with the sitecustomize bootstrap on PYTHONPATH;
+``audit`` does the same with the on-the-job audit on and summarises its rank files.
 """
 
 from __future__ import annotations
@@ -42,17 +43,33 @@ def main(argv: list[str] | None = None) -> int:
     test.add_argument("--json", action="store_true",
                       help="print the results as one JSON object on stdout (progress, table "
                            "and the PASS/FAIL line go to stderr)")
+    test.add_argument("--audit", action="store_true",
+                      help="run both phases with the on-the-job audit on and check that its "
+                           "counts equal the stand-in's; with --json, print {\"phases\": [...]}")
     run = commands.add_parser("run", help="run a command with the hotfix on every process",
                               usage="mfsdp-hotfix run -- COMMAND [ARGS...]")
     run.add_argument("cmd", nargs=argparse.REMAINDER)
+    audit = commands.add_parser(
+        "audit", help="run a training command with the on-the-job audit and summarise it",
+        usage="mfsdp-hotfix audit --out PATH -- COMMAND [ARGS...]",
+        description="Run COMMAND (e.g. torchrun ... train.py) like `mfsdp-hotfix run`, with "
+                    "MFSDP_HOTFIX_AUDIT=PATH: every rank writes PATH.rank<N>.json. Then print a "
+                    "summary of those files; the last line is 'audit: <VERDICT>: ...' (ordered, "
+                    "UNORDERED, CRASH, INCOMPLETE or NO DATA). The exit status is the command's.")
+    audit.add_argument("--out", required=True, help="path prefix of the rank files")
+    audit.add_argument("cmd", nargs=argparse.REMAINDER)
     commands.add_parser("bootstrap-path", help="print the folder to prepend to PYTHONPATH")
     args = parser.parse_args(argv)
     if args.command == "status":
         return _status(args.json, args.check)
     if args.command == "selftest":
+        if args.audit:
+            return _selftest_audit(args.path, args.flavour, args.json)
         return _selftest(args.path, args.flavour, args.json)
     if args.command == "run":
         return _run(args.cmd, parser)
+    if args.command == "audit":
+        return _audit(args.out, args.cmd, parser)
     print(bootstrap.SITECUSTOMIZE_DIR)
     return 0
 
@@ -170,14 +187,89 @@ def _selftest(path: str | None, flavour: str, as_json: bool) -> int:
     return 0 if passed else 1
 
 
-def _run(command: list[str], parser: argparse.ArgumentParser) -> int:
+def _selftest_audit(path: str | None, flavour: str, as_json: bool) -> int:
+    """``selftest --audit``: both phases with the audit on; PASS also needs the audit's counts
+    to equal the stand-in's in each phase."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("selftest: FAIL: no torch in this environment", file=sys.stderr)
+        return 2
+    from .selftest.selftest import audit_phase, conclusion, run_selftest
+
+    runs = run_selftest(path=path, flavour=flavour, out=sys.stderr if as_json else sys.stdout,
+                        audit=True)
+    passed, line = conclusion(runs)
+    if as_json:
+        print(json.dumps({"verdict": "PASS" if passed else "FAIL", "conclusion": line,
+                          "phases": [audit_phase(name, result) for name, result in runs]},
+                         default=str))
+    return 0 if passed else 1
+
+
+def _audit(out: str, command: list[str], parser: argparse.ArgumentParser) -> int:
+    """``audit``: the command with the bootstrap and MFSDP_HOTFIX_AUDIT, then a summary."""
+    import subprocess
+    import time
+
+    from .audit import report as audit_report
+
+    command = _command(command, parser, "audit")
+    path = os.path.abspath(out)
+    started = time.time()
+    env = dict(os.environ, PYTHONPATH=_bootstrap_path(), **{settings.AUDIT: path})
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        print(f"mfsdp-hotfix audit: cannot start {command[0]!r}: {exc}", file=sys.stderr)
+        return 127
+    while True:
+        try:
+            status = child.wait()
+            break
+        except KeyboardInterrupt:  # the command got the same signal; let it finish
+            continue
+    reports, stale = audit_report.read_rank_files(path, since=started - 1.0)
+    verdict, lines = audit_report.summarise(reports, path)
+    print(f"mfsdp-hotfix audit: {len(reports)} rank file(s) {path}.rank<N>.json")
+    for line in lines:
+        print(f"  {line}")
+    if stale:
+        print(f"  ignored {len(stale)} older rank file(s) from an earlier run")
+    print(f"audit: {verdict}: {_AUDIT_MEANING[verdict]} (command exit status {status})")
+    return status if status >= 0 else 128 - status
+
+
+_AUDIT_MEANING = {
+    "ordered": "every gradient-slot reuse the audit saw was ordered after the reduce-scatter "
+               "that last read the slot",
+    "UNORDERED": "a gradient-buffer slot was reused by a stream not ordered after the "
+                 "reduce-scatter still reading it: on a GPU, silent gradient corruption (load "
+                 "the hotfix, or run with fsdp_double_buffer=False)",
+    "CRASH": "the double buffer crashed ('No buffer found for bucket_id'; load the hotfix, or "
+             "run with fsdp_double_buffer=False)",
+    "INCOMPLETE": "some ranks wrote no file or their audit was disabled: see the lines above",
+    "NO DATA": "no rank wrote a file: see the line above",
+}
+
+
+def _command(command: list[str], parser: argparse.ArgumentParser, verb: str) -> list[str]:
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
-        parser.error("run needs a command: mfsdp-hotfix run -- torchrun ... train.py")
+        parser.error(f"{verb} needs a command: mfsdp-hotfix {verb} -- torchrun ... train.py")
+    return command
+
+
+def _bootstrap_path() -> str:
+    """PYTHONPATH with the sitecustomize bootstrap first."""
     entries = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
-    env_path = os.pathsep.join([str(bootstrap.SITECUSTOMIZE_DIR)] + entries)
-    os.environ["PYTHONPATH"] = env_path
+    return os.pathsep.join([str(bootstrap.SITECUSTOMIZE_DIR)] + entries)
+
+
+def _run(command: list[str], parser: argparse.ArgumentParser) -> int:
+    command = _command(command, parser, "run")
+    os.environ["PYTHONPATH"] = _bootstrap_path()
     try:
         os.execvp(command[0], command)
     except OSError as exc:

@@ -92,6 +92,8 @@ def install(strict: bool | None = None) -> bool:
         if strict is not None and settings.enabled:
             settings = dataclasses.replace(settings, mode="strict" if strict else "on")
             _state.settings = settings
+        if settings.audit_path is not None:
+            _arm_audit(settings)
         if _state.installed or not settings.enabled:
             return _state.installed
         _state.installed = True
@@ -103,6 +105,16 @@ def install(strict: bool | None = None) -> bool:
             if name in sys.modules:
                 _on_import(sys.modules[name], late=True)
         return True
+
+
+def _arm_audit(settings: settings_module.Settings) -> None:
+    """``MFSDP_HOTFIX_AUDIT``: the audit observes every copy, with the hotfix on or off."""
+    try:
+        from . import audit
+
+        audit.arm(settings)
+    except Exception as exc:
+        incidents.report("audit", "arming the audit", exc)
 
 
 def uninstall() -> bool:

@@ -48,8 +48,9 @@ def arm(source: str) -> None:
     package was loaded (``import``, ``pth``, ``sitecustomize``) for ``status()``."""
     global loaded_via
     loaded_via = source
-    if os.environ.get("MFSDP_HOTFIX", "").strip().lower() in _OFF:
-        return
+    if os.environ.get("MFSDP_HOTFIX", "").strip().lower() in _OFF and not os.environ.get(
+            "MFSDP_HOTFIX_AUDIT", "").strip():
+        return  # off, and no audit to arm (MFSDP_HOTFIX_AUDIT audits with the hotfix off too)
     if any(name in sys.modules for name in TOP_LEVEL):
         from .installer import install
 

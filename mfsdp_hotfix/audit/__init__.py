@@ -169,6 +169,8 @@ class _Audit:
         self.write()
 
     def rank(self) -> int:
+        if self.group is None:  # e.g. a crash before the first finish_grad_sync
+            self.group = _process_group()
         if self.group is not None:
             return self.group[1]
         try:
@@ -178,9 +180,11 @@ class _Audit:
 
     def snapshot(self, final: bool = False) -> dict[str, Any]:
         fixes = _applied_fixes()
-        return {"rank": self.rank(), "world_size": self.group[2] if self.group else None,
-                "host": self.host, "pid": self.pid, "final": final, "steps": self.steps,
-                "audit": self.disabled or "on", "observed_operations": self.observer.operations,
+        rank = self.rank()
+        return {"rank": rank, "world_size": self.group[2] if self.group else None,
+                "host": self.host, "pid": self.pid, "final": final,
+                "finish_grad_sync_calls": self.steps, "audit": self.disabled or "on",
+                "observed_operations": self.observer.operations,
                 "copies": [c.as_dict(fixes.get(c.package, [])) for c in self.copies.values()]}
 
     def write(self, final: bool = False, force: bool = False) -> None:
@@ -248,7 +252,7 @@ def _process_group() -> tuple[Any, int, int] | None:
 
 def _applied_fixes() -> dict[str, list[str]]:
     """Per copy package, the fixes the hotfix applied in this process (none when it is off)."""
-    from .. import installer
+    from .. import reporting
 
     return {package: [f for f in fixes.split(",") if f]
-            for package, _, _, fixes in installer.applied_fingerprint()["copies"]}
+            for package, _, _, fixes in reporting.applied_fingerprint()["copies"]}

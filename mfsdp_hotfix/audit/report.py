@@ -1,8 +1,8 @@
 """What the audit leaves behind: one JSON file per rank, one summary line per job, and the
 ``mfsdp-hotfix audit`` command's reading of the files.
 
-Rank file ``<path>.rank<N>.json``: ``{"rank", "world_size", "final", "steps", "audit",
-"copies": [{"package", "version", "era", "fixes", "audited", "reuses", "unordered",
+Rank file ``<path>.rank<N>.json``: ``{"rank", "world_size", "final", "finish_grad_sync_calls",
+"audit", "copies": [{"package", "version", "era", "fixes", "audited", "reuses", "unordered",
 "first_unordered", "crashed", "crash", "note"}]}``. It is rewritten after ``finish_grad_sync``
 (the first one, whenever the unordered count or a crash changes, and at least every
 ``REWRITE_S`` seconds otherwise, so that thousands of ranks do not hammer a shared file system

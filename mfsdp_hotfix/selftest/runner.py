@@ -35,6 +35,7 @@ def worker_env(spec: CaseSpec) -> dict[str, str]:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     env.pop("MFSDP_HOTFIX", None)
     env.pop("MFSDP_HOTFIX_DISABLED_FIXES", None)
+    env.pop("MFSDP_HOTFIX_AUDIT", None)
     if spec.hotfix == "off":
         env["MFSDP_HOTFIX"] = "0"
     if spec.disabled_fixes:
@@ -50,6 +51,10 @@ def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
     with tempfile.TemporaryDirectory(prefix="mfsdp-selftest-") as tmp:
         store = os.path.join(tmp, "store")
         env = worker_env(spec)
+        if spec.audit:
+            env["MFSDP_HOTFIX_AUDIT"] = os.path.join(tmp, "audit")
+            # the job summary waits for the peer at exit: well inside the peer-gone kill below
+            env.setdefault("MFSDP_HOTFIX_CROSS_RANK_TIMEOUT", "10")
         procs = []
         logs = []
         for rank in range(WORLD):
@@ -83,6 +88,10 @@ def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
         for rank in range(WORLD):
             path = Path(tmp) / f"rank{rank}.json"
             reports.append(json.loads(path.read_text()) if path.exists() else None)
+            if reports[-1] is not None:  # the audit's own file, as a user would read it
+                audit_file = Path(tmp) / f"audit.rank{rank}.json"
+                reports[-1]["audit_file"] = (json.loads(audit_file.read_text())
+                                             if audit_file.exists() else None)
         tail = ""
         for rank, log in enumerate(logs):
             log.seek(0)
@@ -133,6 +142,8 @@ def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int]
         result.ordering_checks = sum(int(o["checks"]) for o in orderings)
         result.ordering_violations = sum(int(o["violations"]) for o in orderings)
         result.first_violations = [v for o in orderings for v in o["first_violations"]][:5]
+    if spec.audit:
+        _merge_audit(result, present)
     result.release = dict(rank0.get("release") or (present[0].get("release") if present else {})
                           or {})
     result.hotfix_status = rank0.get("hotfix_status")
@@ -141,3 +152,19 @@ def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int]
     loop_times = [float(r["fsdp_s"]) for r in present if "fsdp_s" in r]
     result.fsdp_s = max(loop_times) if loop_times else None
     return result
+
+
+def _merge_audit(result: CaseResult, present: list[dict[str, Any]]) -> None:
+    """The audit's counts from the rank files it wrote (what a user reads), summed over ranks."""
+    files = [r["audit_file"] for r in present if r.get("audit_file")]
+    result.audit_files = len(files)
+    if not files:
+        result.audit_state = "no rank file written"
+        return
+    result.audit_report = files[0]
+    copies = [c for f in files for c in f.get("copies", [])]
+    result.audit_reuses = sum(int(c.get("reuses", 0)) for c in copies)
+    result.audit_unordered = sum(int(c.get("unordered", 0)) for c in copies)
+    result.audit_crashed = any(c.get("crashed") for c in copies)
+    # A rank that neither trained a step nor saw a reuse or crash (its peer crashed) writes none.
+    result.audit_state = "; ".join(sorted({str(f.get("audit")) for f in files}))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
@@ -48,6 +48,7 @@ def conclusion(runs: list[tuple[str, CaseResult]]) -> tuple[bool, str]:
     outcome = dict(runs)
     after, before = outcome["with hotfix"], outcome.get("without hotfix")
     passed = verdict(after) == "ok"
+    disagree = [name for name, result in runs if result.spec.audit and not audit_agrees(result)]
     release = after.release or (before.release if before else {}) or {}
     what = (f"{release.get('dist')} {release.get('version')}" if release.get("dist")
             else "Megatron-FSDP")
@@ -60,7 +61,48 @@ def conclusion(runs: list[tuple[str, CaseResult]]) -> tuple[bool, str]:
             detail += f" ({after.exception.splitlines()[0][:200]})"
     if before is not None:
         detail += f"; without it: {verdict(before)}"
+    if disagree:
+        passed = False
+        detail += (f"; the audit does not match the stand-in's counts in: {', '.join(disagree)} "
+                   "(see the audit lines above)")
+    elif any(result.spec.audit for _, result in runs):
+        detail += "; the audit's counts equal the stand-in's"
     return passed, f"selftest: {'PASS' if passed else 'FAIL'}: {detail}"
+
+
+def audit_phase(name: str, result: CaseResult) -> dict[str, Any]:
+    """One phase of ``selftest --audit``: the audit's counts next to the stand-in's."""
+    return {"phase": name, "hotfix": result.spec.hotfix != "off", "verdict": verdict(result),
+            "audit_reuses": result.audit_reuses, "audit_unordered": result.audit_unordered,
+            "standin_reuses": result.ordering_checks,
+            "standin_unordered": result.ordering_violations,
+            "crashed": result.crashed, "audit_crashed": result.audit_crashed,
+            "audit": result.audit_state, "audit_files": result.audit_files,
+            "agree": audit_agrees(result)}
+
+
+def audit_agrees(result: CaseResult) -> bool:
+    """The audit ran on every rank and counted what the stand-in's checker counted."""
+    return (result.audit_state == "on" and result.ordering_checks is not None
+            and (result.audit_reuses, result.audit_unordered)
+            == (result.ordering_checks, result.ordering_violations)
+            and bool(result.audit_crashed) == _pool_crash(result))
+
+
+def _pool_crash(result: CaseResult) -> bool:
+    return result.crashed and "No buffer found" in (result.exception or "")
+
+
+def format_audit(results: list[tuple[str, CaseResult]]) -> str:
+    lines = []
+    for name, r in results:
+        lines.append(f"audit, {name}: {_cell(r.audit_unordered, 'd')} unordered of "
+                     f"{_cell(r.audit_reuses, 'd')} reuses"
+                     + (", crash recorded" if r.audit_crashed else "")
+                     + f" (stand-in: {_cell(r.ordering_violations, 'd')} of "
+                     f"{_cell(r.ordering_checks, 'd')}); audit {r.audit_state}: "
+                     + ("agrees" if audit_agrees(r) else "DOES NOT AGREE"))
+    return "\n".join(lines)
 
 
 def _cell(value: float | None, fmt: str) -> str:
@@ -90,19 +132,22 @@ def format_table(results: list[tuple[str, CaseResult]]) -> str:
 def run_selftest(path: str | None = None, flavour: str = "auto",
                  out: TextIO | None = None, progress: bool = True,
                  spec: CaseSpec | None = None,
-                 runner: Callable[..., CaseResult] = run_case) -> list[tuple[str, CaseResult]]:
+                 runner: Callable[..., CaseResult] = run_case, audit: bool = False
+                 ) -> list[tuple[str, CaseResult]]:
     """Run the selftest case without and with the hotfix; print progress and a table.
 
     ``path``: a folder to put first on the workers' ``sys.path`` (for example an unpacked
     release); default: whatever Megatron-FSDP copy is importable here.  ``flavour``: "auto",
     "standalone" (``megatron_fsdp``) or "core" (megatron-core's vendored copy).  ``spec``: the
     case (model size, strategy, ...), default :class:`CaseSpec`'s.  ``runner``: how a case is
-    run (tests pass a caching one).
+    run (tests pass a caching one).  ``audit``: run both with ``MFSDP_HOTFIX_AUDIT`` set and
+    compare the audit's counts with the stand-in's.
     Returns ``[("without hotfix", result), ("with hotfix", result)]``.
     """
     stream = out if out is not None else sys.stdout
     base = CaseSpec(**(spec if spec is not None else CaseSpec()).__dict__)
     base.path, base.flavour = path if path is not None else base.path, flavour
+    base.audit = base.audit or audit
     runs: list[tuple[str, CaseResult]] = []
     for name, mode in (("without hotfix", "off"), ("with hotfix", "on")):
         case = CaseSpec(**{**base.__dict__, "hotfix": mode})
@@ -120,6 +165,8 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
         stream.write(f"Megatron-FSDP: {release.get('dist')} {release.get('version')} "
                      f"({release.get('flavour')}) at {release.get('path')}\n")
     stream.write(format_table(runs) + "\n")
+    if base.audit:
+        stream.write(format_audit(runs) + "\n")
     stream.write(conclusion(runs)[1] + "\n")
     stream.flush()
     return runs

@@ -32,6 +32,8 @@ class CaseSpec:
     the release only sums, and each rank's loss carries the 1/world size (exact: a power of two).
     megatron-fsdp 0.1.0-0.2.3 / megatron-core 0.14-0.15 need "per-token": their scale-then-sum
     path scales the local shard instead of the bucket it reduces (see docs/OLDEST_RELEASES.md).
+    ``audit``: run the workers with ``MFSDP_HOTFIX_AUDIT`` set, so that the audit's counts can be
+    compared with the stand-in's.
     """
 
     flavour: str = "auto"
@@ -52,6 +54,7 @@ class CaseSpec:
     seed: int = 1234
     dtype: str = "float32"
     timeout_s: float = 240.0
+    audit: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -77,6 +80,8 @@ class CaseSpec:
             bits.append(f"grad reduce {self.grad_reduce}")
         if self.linear != "emulated":
             bits.append(f"linear={self.linear}")
+        if self.audit:
+            bits.append("audit on")
         return ", ".join(bits)
 
 
@@ -95,6 +100,13 @@ class CaseResult:
     ordering_checks: int | None = None
     ordering_violations: int | None = None
     first_violations: list[dict[str, Any]] = field(default_factory=list)
+    # the audit's view (spec.audit), summed over ranks and copies; None: no rank reported one
+    audit_reuses: int | None = None
+    audit_unordered: int | None = None
+    audit_crashed: bool | None = None
+    audit_state: str | None = None  # "on", or why it was disabled / not armed
+    audit_files: int = 0  # rank files found after the run
+    audit_report: dict[str, Any] | None = None  # the first rank file, as written
     wall_s: float = 0.0
     worker_s: float | None = None  # slowest rank, imports included
     fsdp_s: float | None = None  # slowest rank, training loop only (wrap to last gather)

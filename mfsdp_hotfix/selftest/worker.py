@@ -250,6 +250,9 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
         report["exception"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()[-4000:]
     report["ordering"] = checker.summary()
+    audit = sys.modules.get("mfsdp_hotfix.audit")
+    if audit is not None:  # MFSDP_HOTFIX_AUDIT: this worker skips atexit, so finish it here
+        audit.finish()
     report["hotfix_status"] = _hotfix_status()
     report["worker_s"] = time.perf_counter() - started
     return report

@@ -1,0 +1,111 @@
+"""The audit's life cycle: off costs nothing, hostile input costs one warning, errors disable it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import run_python
+
+from mfsdp_hotfix import audit, incidents
+from mfsdp_hotfix.settings import Settings
+
+
+@pytest.fixture(autouse=True)
+def fresh_incidents(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(incidents, "_failed", {})
+
+
+def _trained(path: str, group: Any = None) -> Any:
+    state = audit._Audit(Settings(audit_path=path))
+    state.steps, state.group = 1, group
+    return state
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_an_unwritable_path_gives_one_warning_and_the_job_goes_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="mfsdp_hotfix")
+    (tmp_path / "file").write_text("")
+    state = _trained(str(tmp_path / "file" / "audit"))
+    state.write(force=True)
+    state.write(force=True)
+    state.finish()  # the job line is still logged (this process alone: world 1)
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "audit-report failed" in warnings[0]
+    assert "Point MFSDP_HOTFIX_AUDIT at a writable path" in warnings[0]
+    assert any("mfsdp_hotfix audit, 1 rank: ordered" in r.getMessage() for r in caplog.records)
+
+
+class _FailingStore:
+    def set(self, key: str, value: str) -> None:
+        raise RuntimeError("store is gone")
+
+
+def test_a_failing_store_gives_one_warning_and_the_rank_file_is_written(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = _trained(str(tmp_path / "audit"), group=(_FailingStore(), 1, 4))
+    state.finish()
+    state.finish()  # idempotent
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "audit-summary failed" in warnings[0]
+    written = json.loads((tmp_path / "audit.rank1.json").read_text())
+    assert written["final"] is True and written["world_size"] == 4
+
+
+def test_a_bookkeeping_error_disables_the_audit_with_one_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state = _trained(str(tmp_path / "audit"))
+    state.fail("Event.record", RuntimeError("bug"))
+    state.fail("Event.wait", RuntimeError("another"))
+    assert not state.observer.active
+    assert len(_warnings(caplog)) == 1
+    written = json.loads((tmp_path / "audit.rank0.json").read_text())
+    assert written["audit"] == "disabled: Event.record: RuntimeError: bug"
+
+
+def test_a_process_that_never_trained_writes_nothing(tmp_path: Path) -> None:
+    state = audit._Audit(Settings(audit_path=str(tmp_path / "audit")))
+    state.finish()
+    assert list(tmp_path.iterdir()) == []
+
+
+PROBE = """
+import json, sys
+import mfsdp_hotfix
+import torch
+import megatron_fsdp.megatron_fsdp
+from megatron_fsdp import param_and_grad_buffer as pgb
+from mfsdp_hotfix.patching import fix_of
+marks = {name: fix_of(vars(cls).get(name)) for cls, name in (
+    (torch.cuda.Event, "record"), (torch.cuda.Stream, "wait_event"),
+    (pgb.FixedPoolAllocator, "allocate"))}
+marks["synchronize"] = fix_of(torch.cuda.synchronize)
+print("PROBE" + json.dumps({"audit_imported": "mfsdp_hotfix.audit" in sys.modules,
+                            "marks": marks}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", [{}, {"MFSDP_HOTFIX": "0"}])
+def test_off_costs_nothing(fsdp_release: Any, env: dict[str, str]) -> None:
+    out = run_python(PROBE, fsdp_release("0.5.1"), env=env)
+    probe = json.loads(out.stdout.split("PROBE", 1)[1])
+    assert probe == {"audit_imported": False, "marks": {
+        "record": None, "wait_event": None, "allocate": None, "synchronize": None}}, out.stderr
+
+
+@pytest.mark.slow
+def test_on_even_with_the_hotfix_off(fsdp_release: Any, tmp_path: Path) -> None:
+    out = run_python(PROBE, fsdp_release("0.5.1"),
+                     env={"MFSDP_HOTFIX": "0", "MFSDP_HOTFIX_AUDIT": str(tmp_path / "a")})
+    probe = json.loads(out.stdout.split("PROBE", 1)[1])
+    assert probe == {"audit_imported": True, "marks": {
+        "record": "audit", "wait_event": "audit", "allocate": "audit",
+        "synchronize": "audit"}}, out.stderr

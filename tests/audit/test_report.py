@@ -1,0 +1,98 @@
+"""Rank files, the job line and the CLI's reading of the files (no torch needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mfsdp_hotfix.audit import report
+
+
+def _copy(**fields: Any) -> dict[str, Any]:
+    base = {"package": "megatron_fsdp", "version": "0.5.1", "era": "B", "fixes": [],
+            "audited": True, "reuses": 18, "unordered": 0, "first_unordered": None,
+            "crashed": False, "crash": None, "note": None}
+    return {**base, **fields}
+
+
+def _rank(rank: int, world: int = 2, **fields: Any) -> dict[str, Any]:
+    return {"rank": rank, "world_size": world, "final": True, "audit": "on",
+            "copies": [_copy(**fields)]}
+
+
+def test_rank_file_is_written_whole_and_rewritten_only_when_due(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = report.RankFile(str(tmp_path / "sub" / "audit"))
+    state = ("on", ((0, False),))
+    assert out.due(state)
+    name = out.write(_rank(3), state)
+    assert name == str(tmp_path / "sub" / "audit.rank3.json")
+    assert json.loads(Path(name).read_text())["rank"] == 3
+    assert os.listdir(tmp_path / "sub") == ["audit.rank3.json"]  # no temporary left behind
+    assert not out.due(state)
+    assert out.due(("on", ((1, False),)))  # a first unordered reuse is written at once
+    later = time.monotonic() + report.REWRITE_S
+    monkeypatch.setattr(report.time, "monotonic", lambda: later)
+    assert out.due(state)
+
+
+def test_an_unwritable_path_raises_for_the_caller_to_report(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):
+        report.RankFile(str(tmp_path / "file" / "audit")).write(_rank(0), ())
+
+
+@pytest.mark.parametrize(("found", "verdict", "words"), [
+    ({0: {"reuses": 4, "unordered": 0, "crashed": 0}, 1: {"reuses": 4, "unordered": 0,
+                                                          "crashed": 0}},
+     "ordered", "0 unordered of 8 gradient-slot reuses"),
+    ({0: {"reuses": 4, "unordered": 2, "crashed": 0}, 1: {"reuses": 4, "unordered": 0,
+                                                          "crashed": 0}},
+     "UNORDERED", "unordered on ranks 0"),
+    ({0: {"reuses": 0, "unordered": 0, "crashed": 1}}, "CRASH", "crash on ranks 0"),
+    ({0: {"reuses": 4, "unordered": 0, "crashed": 0}}, "INCOMPLETE",
+     "no report within 5 s from ranks 1"),
+])
+def test_job_line(found: dict[int, dict[str, int]], verdict: str, words: str) -> None:
+    got, line = report.job_line(found, 2, "/p/audit", 5.0)
+    assert got == verdict and words in line and "/p/audit.rank*.json" in line
+
+
+def test_exchange_through_a_store() -> None:
+    torch_distributed = pytest.importorskip("torch.distributed")
+    store = torch_distributed.HashStore()
+    assert report.exchange(store, 1, 2, {"reuses": 3, "unordered": 1, "crashed": 0}, 1) is None
+    found = report.exchange(store, 0, 2, {"reuses": 5, "unordered": 0, "crashed": 0}, 1)
+    assert found == {0: {"reuses": 5, "unordered": 0, "crashed": 0},
+                     1: {"reuses": 3, "unordered": 1, "crashed": 0}}
+
+
+def test_reading_rank_files_skips_older_ones(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "audit")
+    Path(prefix + ".rank0.json").write_text(json.dumps(_rank(0)))
+    Path(prefix + ".rank1.json").write_text(json.dumps(_rank(1)))
+    os.utime(prefix + ".rank1.json", (1, 1))
+    Path(prefix + ".rank2.json.123.tmp").write_text("{")
+    reports, stale = report.read_rank_files(prefix, since=time.time() - 60)
+    assert list(reports) == [0] and stale == [prefix + ".rank1.json"]
+
+
+def test_summary_of_rank_files() -> None:
+    first = {"pool": "fsdp_grads", "slot": "(0, 0)", "previous_bucket": 4, "new_bucket": 2,
+             "rs_event": "stream 0x1 @3", "writer": "default stream"}
+    verdict, lines = report.summarise({0: _rank(0, unordered=3, first_unordered=first),
+                                       1: _rank(1)}, "/p/audit")
+    assert verdict == "UNORDERED"
+    assert lines[0].startswith("megatron_fsdp 0.5.1 (era B, hotfix fixes applied: none), ranks "
+                               "0,1: 3 unordered of 36 gradient-slot reuses")
+    assert "first unordered reuse (rank 0)" in lines[1] and '"new_bucket": 2' in lines[1]
+    assert report.summarise({0: _rank(0), 1: _rank(1)}, "p")[0] == "ordered"
+    assert report.summarise({0: _rank(0, crashed=True, crash={"bucket": 2})}, "p")[0] == "CRASH"
+    verdict, lines = report.summarise({0: _rank(0, world=4)}, "p")
+    assert verdict == "INCOMPLETE" and "no rank file from ranks 1,2,3 of 4" in lines
+    assert report.summarise({}, "p")[0] == "NO DATA"

@@ -1,0 +1,99 @@
+"""The audit on real releases, through the selftest harness (CPU stand-in, two gloo ranks):
+its counts equal the stand-in's own, it finds the unordered reuses of shipped era-B/C code and
+none with the hotfix, records era A's crash, survives a path it cannot write, and
+``mfsdp-hotfix audit`` summarises a torchrun job."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO, launch_ranks, run_python
+from realcases import describe, release_path, run_cached
+
+from mfsdp_hotfix.selftest import run_selftest
+from mfsdp_hotfix.selftest.selftest import audit_agrees
+from mfsdp_hotfix.selftest.spec import CaseSpec
+
+pytestmark = pytest.mark.slow
+
+
+def test_selftest_audit_agrees_with_the_stand_in_on_0_5_1() -> None:
+    runs = dict(run_selftest(path=release_path("megatron-fsdp", "0.5.1"), flavour="standalone",
+                             progress=False, runner=run_cached, audit=True, out=io.StringIO()))
+    without, with_ = runs["without hotfix"], runs["with hotfix"]
+    for result in (without, with_):
+        assert audit_agrees(result), describe(result)
+        assert result.audit_files == 2 and result.audit_reuses, describe(result)
+    assert without.audit_unordered and with_.audit_unordered == 0, describe(without)
+    written = with_.audit_report or {}
+    (copy,) = written["copies"]
+    assert {k: copy[k] for k in ("package", "version", "era", "fixes", "audited", "unordered",
+                                 "first_unordered", "crashed")} == {
+        "package": "megatron_fsdp", "version": "0.5.1", "era": "B",
+        "fixes": ["getter-guard", "ordered-drain"], "audited": True, "unordered": 0,
+        "first_unordered": None, "crashed": False}
+    assert written["final"] is True and written["world_size"] == 2
+    assert written["finish_grad_sync_calls"] > 0 and written["audit"] == "on"
+    first = (without.audit_report or {})["copies"][0]["first_unordered"]
+    assert first["pool"] == "fsdp_grads" and first["writer"] == "default stream"
+
+
+def test_selftest_audit_json_on_0_6_1() -> None:
+    out = run_python("", args=("-m", "mfsdp_hotfix", "selftest", "--audit", "--json",
+                               "--flavour", "standalone", "--path",
+                               release_path("megatron-fsdp", "0.6.1")))
+    assert out.returncode == 0, out.stderr[-3000:]
+    phases = json.loads(out.stdout)["phases"]
+    assert [p["hotfix"] for p in phases] == [False, True]
+    for phase in phases:
+        assert phase["agree"] and phase["audit_reuses"] == phase["standin_reuses"] > 0, phase
+        assert phase["audit_unordered"] == phase["standin_unordered"], phase
+    assert phases[0]["audit_unordered"] > 0 and phases[1]["audit_unordered"] == 0
+
+
+def test_era_a_crash_is_reported_as_a_crash() -> None:
+    result = run_cached(CaseSpec(flavour="standalone", hotfix="off", audit=True,
+                                 path=release_path("megatron-fsdp", "0.4.0")))
+    assert result.crashed and "No buffer found" in (result.exception or ""), describe(result)
+    assert result.audit_crashed and audit_agrees(result), describe(result)
+    crash = (result.audit_report or {})["copies"][0]["crash"]
+    assert crash["pool"] == "fsdp_grads" and "No buffer found" in crash["error"]
+
+
+def test_an_unwritable_path_leaves_training_alone(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    reports = launch_ranks(
+        {"flavour": "standalone", "hotfix": "on", "iterations": 1},
+        [{"MFSDP_HOTFIX_AUDIT": str(tmp_path / "file" / "audit")}] * 2, tmp_path,
+        path=(Path(release_path("megatron-fsdp", "0.5.1")),))
+    for rank, got in enumerate(reports):
+        log = (tmp_path / f"rank{rank}.log").read_text()
+        assert got is not None and not got["crashed"], log[-3000:]
+        assert log.count("audit-report failed") == 1, log[-3000:]
+    assert reports[0] is not None and reports[0]["max_abs_grad_error"] == 0.0
+
+
+def test_audit_command_summarises_a_torchrun_job(tmp_path: Path) -> None:
+    spec = CaseSpec(flavour="standalone", iterations=1).to_json()
+    out = run_python(
+        "", Path(release_path("megatron-fsdp", "0.5.1")), env={"MFSDP_HOTFIX": "0",
+                                                              "GLOO_SOCKET_IFNAME": "lo"},
+        args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "job" / "audit"), "--",
+              sys.executable, "-m", "torch.distributed.run", "--standalone",
+              "--nproc-per-node", "2", str(REPO / "tests/real_library/audit_job.py"), spec,
+              str(tmp_path / "store")))
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "mfsdp_hotfix audit, 2 ranks: UNORDERED" in text, text[-4000:]  # rank 0's job line
+    summary = out.stdout.splitlines()
+    assert summary[-1].startswith("audit: UNORDERED: a gradient-buffer slot was reused"), text
+    assert "megatron_fsdp 0.5.1 (era B, hotfix fixes applied: none), ranks 0,1:" in out.stdout
+    files: dict[str, Any] = {p.name: json.loads(p.read_text())
+                             for p in (tmp_path / "job").glob("audit.rank*.json")}
+    assert sorted(files) == ["audit.rank0.json", "audit.rank1.json"]
+    assert all(f["final"] and f["copies"][0]["unordered"] > 0 for f in files.values())

@@ -1,0 +1,63 @@
+"""The slot-reuse rule's wrappers: read-only, crash capture, and what a bookkeeping error does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from miniature import miniature
+
+from mfsdp_hotfix import slot_reuse
+from mfsdp_hotfix.patching import fix_of
+from mfsdp_hotfix.selftest import cuda_standin as cs
+from mfsdp_hotfix.selftest.ordering import StandinClocks
+from mfsdp_hotfix.slot_reuse import SlotReuse
+
+
+def _pool(errors: list[tuple[str, Exception]], rule: SlotReuse[Any] | None = None) -> Any:
+    mini = miniature()
+    rule = rule if rule is not None else SlotReuse(StandinClocks())
+    undo = slot_reuse.observe(mini, rule, "test-rule", lambda where, exc: errors.append(
+        (where, exc)))
+    assert fix_of(mini.FixedPoolAllocator.__dict__["allocate"]) == "test-rule"
+    pool = mini.FixedPoolAllocator("fsdp_grads", [mini.Group() for _ in range(3)])
+    return mini, pool, rule, undo
+
+
+def test_an_allocation_crash_is_recorded_and_re_raised_unchanged() -> None:
+    errors: list[tuple[str, Exception]] = []
+    _, pool, rule, _ = _pool(errors)
+    pool.allocate(0)
+    pool.allocate(1)
+    with pytest.raises(AssertionError, match="No buffer found for bucket_id: 2") as raised:
+        pool.allocate(2)
+    assert rule.crash == {"pool": "fsdp_grads", "bucket": 2,
+                          "error": "AssertionError: No buffer found for bucket_id: 2"}
+    assert raised.value.__traceback__ is not None and errors == []
+
+
+def test_a_bookkeeping_error_is_reported_and_the_original_still_runs() -> None:
+    errors: list[tuple[str, Exception]] = []
+
+    class Broken(StandinClocks):
+        def mark_of(self, event: object) -> Any:
+            raise RuntimeError("bookkeeping bug")
+
+    mini, pool, rule, _ = _pool(errors, SlotReuse(Broken()))
+    pool.allocate(0)
+    pipe = mini.GradReducePipeline(pool, cs.Stream())
+    assert pipe._bucket_group_gradient_reduce([0]) is None  # the release's own result
+    assert len(pipe.grad_reduce_queue) == 1
+    assert [where for where, _ in errors] == ["GradReducePipeline._bucket_group_gradient_reduce"]
+
+
+def test_an_inactive_rule_only_calls_the_originals_and_undo_restores_them() -> None:
+    errors: list[tuple[str, Exception]] = []
+    mini, pool, rule, undo = _pool(errors)
+    original = mini.FixedPoolAllocator.__dict__["allocate"].__wrapped__
+    rule.active = False
+    pool.allocate(0)
+    pool.free(0)
+    assert rule.reuses == 0 and pool.using_buffer == {} and errors == []
+    assert undo() is True
+    assert mini.FixedPoolAllocator.__dict__["allocate"] is original
