@@ -31,7 +31,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--pkg", required=True,
                    help="megatron_fsdp | megatron.core.distributed.fsdp.src.megatron_fsdp")
-    p.add_argument("--zero", type=int, default=2, choices=(2, 3))
+    p.add_argument("--zero", type=int, default=2, choices=(1, 2, 3))
     p.add_argument("--db", type=int, default=1, help="fsdp_double_buffer")
     p.add_argument("--fix", default="none", choices=("none", "hotfix", "ref"),
                    help="none: as shipped; hotfix: import mfsdp_hotfix first; ref: validation/refpatch")
@@ -138,7 +138,7 @@ def run(a, res):
         module = Model(a.units, a.hidden, a.ffn, bool(a.norm), bool(a.head)).to(dtype)
 
     DDPConfig = mfmod.DistributedDataParallelConfig
-    strategy = {2: "optim_grads", 3: "optim_grads_params"}[a.zero]
+    strategy = {1: "optim", 2: "optim_grads", 3: "optim_grads_params"}[a.zero]
     cfg = DDPConfig(data_parallel_sharding_strategy=strategy, outer_dp_sharding_strategy="no_shard",
                     overlap_grad_reduce=True, overlap_param_gather=True,
                     average_in_collective=False, fsdp_double_buffer=bool(a.db),
@@ -239,6 +239,9 @@ def run(a, res):
         res["rel_l2"] = (diff_sq ** 0.5) / (ref_sq ** 0.5) if ref_sq > 0 else None
         res["first_bad_step"] = first_bad_step
     res["shim_stats"] = dict(shims.STATS)
+    audit = sys.modules.get("mfsdp_hotfix.audit")  # MFSDP_HOTFIX_AUDIT set for this case
+    if audit is not None:
+        res["audit"] = audit.snapshot()
     if slot_log:
         res["slot_trace"] = summarize_slots(slot_log)
 

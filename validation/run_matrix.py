@@ -143,6 +143,7 @@ class Runner:
         # store round-trip between real ranks) cannot run in a one-process fake world of 2
         env["MFSDP_HOTFIX_CROSS_RANK_CHECK"] = "off"
         env.update(c.get("env", {}))
+        audit_path = env.get("MFSDP_HOTFIX_AUDIT")
         t0 = time.time()
         try:
             p = subprocess.run(args, env=env, capture_output=True, text=True,
@@ -161,6 +162,11 @@ class Runner:
             rec["log_tail"] = log
         if rc not in (0,) and rec["result"] is None:
             rec["log_tail"] = log
+        if audit_path:  # the rank file as the audit left it at the process's exit
+            rank_file = audit_path + ".rank0.json"
+            rec["audit_file"] = (json.load(open(rank_file)) if os.path.exists(rank_file)
+                                 else None)
+            rec["audit_log"] = [line for line in log.splitlines() if "audit" in line][-5:]
         return rec
 
     def run_all(self, cases):
@@ -185,6 +191,9 @@ def short(r):
     res = r.get("result") or {}
     if r.get("skipped"):
         return f"SKIP {r['label']}: {r['skipped']}"
+    if "audit_file" in r:
+        return f"{'CRASH' if res.get('crashed') else 'ok'} {r['label']}: {audit_cell(r)} " \
+               f"rel_l2={res.get('rel_l2')} step={res.get('step_ms_median')}ms proc={r.get('proc_s')}s"
     if res.get("crashed"):
         return f"CRASH {r['label']}: {res.get('error')}"
     if res is None or not res:
@@ -194,11 +203,82 @@ def short(r):
             f"proc={r.get('proc_s')}s")
 
 
+def audit_cell(r):
+    """The audit's counts from the rank file it wrote at exit."""
+    f = r.get("audit_file")
+    if not f:
+        return "audit: NO RANK FILE"
+    copies = f.get("copies", [])
+    crash = [c["crash"] for c in copies if c.get("crashed")]
+    return (f"audit {f.get('audit')}: {sum(c['unordered'] for c in copies)} unordered of "
+            f"{sum(c['reuses'] for c in copies)} reuses" + (f", crash {crash[0]}" if crash else ""))
+
+
+AUDIT_SMALL = dict(SMALL, steps=6, warmup=1)
+
+
+def audited(case):
+    """The same case with the audit on: shipped code runs with the hotfix imported but
+    ``MFSDP_HOTFIX=0`` (the audit diagnoses), hotfix variants with it on (the audit verifies).
+    Truth runs stay as they are."""
+    if case.get("is_truth"):
+        return case
+    c = json.loads(json.dumps(case))
+    shipped = c["harness"]["fix"] == "none"
+    c["harness"]["fix"] = "hotfix"
+    name = c["label"].replace("|", "_").replace(":", "-").replace("+", "p")
+    c["env"] = dict(c.get("env", {}), MFSDP_HOTFIX_AUDIT=os.path.join(WORK, "audit", name))
+    if shipped:
+        c["env"]["MFSDP_HOTFIX"] = "0"
+    c["variant"] += "+audit"
+    c["label"] = c["label"].replace(f"|{case['variant']}|", f"|{c['variant']}|")
+    return c
+
+
+def audit_rows(releases, fixv, delays, size, suffix):
+    """Shipped and hotfix rows with the audit on, grads compared with their own serialized
+    truth; a release whose serialized shipped run crashes (era A) runs without one."""
+    cases = [audited(c) for c in correctness_cases(releases, 2, 0, 0, "nccl_sem",
+                                                   ["db", fixv], delays, size)]
+    cases = separate_truth(cases, suffix, trace_slots=False)
+    for c in cases:
+        if c["release"] == "fsdp-0.4.0" and c["variant"] == "db+audit":
+            c["harness"].pop("truth", None)
+            c["harness"]["no_grads"] = True
+    return [c for c in cases if not (c.get("is_truth") and c["release"] == "fsdp-0.4.0"
+                                     and c["variant"] == "db")]
+
+
+def sweep_case(rel, zero, mb, v, delay=0, size=None):
+    """An audit-only case (no grads read back, no truth): what the audit counts."""
+    db, fix = VARIANTS[v]
+    size = dict(size or AUDIT_SMALL, microbatches=mb)
+    return audited(dict(label=f"{rel}|z{zero}|mb{mb}|nccl_sem|{v}|d{delay}|sweep", release=rel,
+                        variant=v, zero=zero, pg="nccl_sem", delay_ms=delay,
+                        harness=dict(size, zero=zero, db=db, fix=fix, delay_ms=delay,
+                                     pg="nccl_sem", no_grads=True)))
+
+
+def audit_perf_cases(reps, releases=("fsdp-0.6.1", "core-0.19.2")):
+    """LARGE, hotfix on, audit off vs on, interleaved (rep0 of every variant, then rep1 ...)."""
+    out = []
+    for rep in range(reps):
+        for rel in releases:
+            for audit in (False, True):
+                c = dict(label=f"{rel}|z2|perf|db+hotfix|d0|rep{rep}", release=rel,
+                         variant="db+hotfix", zero=2, pg="nccl_sem", delay_ms=0, perf=True,
+                         rep=rep, harness=dict(LARGE, zero=2, db=1, fix="hotfix", delay_ms=0,
+                                               pg="nccl_sem", no_grads=True))
+                out.append(audited(c) if audit else c)
+    return out
+
+
 VARIANTS = {  # name -> (db, fix)
     "nodb": (0, "none"),
     "db": (1, "none"),
     "db+hotfix": (1, "hotfix"),
     "db+ref": (1, "ref"),
+    "nodb+hotfix": (0, "hotfix"),
 }
 
 
@@ -329,6 +409,31 @@ def _phase_cases(phase, hotfix_ok, args):
                                    tag="|16k-async")
         cases += correctness_cases(["fsdp-0.6.1"], 3, 0, 0, "fake", ["db"], [0], big16, tag="|16k-async")
         return separate_truth(cases, "16k", trace_slots=False)
+    if phase == "auditsmoke":
+        small = dict(AUDIT_SMALL, steps=3)
+        cases = audit_rows(["fsdp-0.5.1"], fixv, [0], small, "auditsmoke")
+        cases += [sweep_case("fsdp-0.4.0", 2, 2, "db", size=small),
+                  sweep_case("core-0.19.2", 3, 1, fixv, size=small)]
+        big = dict(LARGE, steps=8, warmup=2)
+        cases += [c for c in audit_perf_cases(1, ("fsdp-0.6.1",))]
+        for c in cases[-2:]:
+            c["harness"].update(steps=big["steps"], warmup=big["warmup"])
+        return cases
+    if phase == "audit":
+        # as shipped (audit diagnoses) and with the hotfix (audit verifies), ZeRO-2, 2
+        # microbatches, grads compared with the serialized truth; then a sweep of ZeRO-1/2/3 x
+        # 1/2 microbatches and no double buffer, audit counts only
+        cases = audit_rows(allrel, fixv, [0, 20], AUDIT_SMALL, "audit")
+        for rel in allrel:
+            for zero in (1, 2, 3):
+                for mb in (1, 2):
+                    for v in ("db", fixv):
+                        cases.append(sweep_case(rel, zero, mb, v))
+            for v in ("nodb", "nodb+hotfix"):
+                cases.append(sweep_case(rel, 2, 2, v))
+        return cases
+    if phase == "auditperf":
+        return audit_perf_cases(args.perf_reps)
     if phase == "perf2":
         out = []
         for rel, v in (("core-0.19.2", fixv), ("fsdp-0.5.1", fixv), ("core-0.19.2", "nodb"),
@@ -411,7 +516,7 @@ def main():
         if args.budgets:
             b = [float(x) for x in args.budgets.split(",")]
             runner.deadline = time.time() + b[args.phase.index(phase)]
-        if phase in ("perf", "perf2", "issueb2", "issueb3"):
+        if phase in ("perf", "perf2", "issueb2", "issueb3", "auditperf"):
             runner.workers = 1
         print(f"== phase {phase}: {len(cases)} cases, workers={runner.workers}", flush=True)
         tp = time.time()

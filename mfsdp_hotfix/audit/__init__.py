@@ -192,7 +192,7 @@ class _Audit:
             return  # a forked child, or a path that cannot be written
         with _lock:
             data = self.snapshot(final)
-            state = (data["audit"], tuple((c["unordered"], c["crashed"])
+            state = (data["audit"], tuple((c["unordered"] > 0, c["crashed"])
                                           for c in data["copies"]))
             if not (final or force or self.file.due(state)):
                 return

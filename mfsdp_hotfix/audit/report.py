@@ -4,9 +4,9 @@
 Rank file ``<path>.rank<N>.json``: ``{"rank", "world_size", "final", "finish_grad_sync_calls",
 "audit", "copies": [{"package", "version", "era", "fixes", "audited", "reuses", "unordered",
 "first_unordered", "crashed", "crash", "note"}]}``. It is rewritten after ``finish_grad_sync``
-(the first one, whenever the unordered count or a crash changes, and at least every
-``REWRITE_S`` seconds otherwise, so that thousands of ranks do not hammer a shared file system
-every step) and at exit. Written to a temporary file and renamed: a reader never sees half a file.
+(the first one, the one after the first unordered reuse or a crash, and otherwise at most
+every ``REWRITE_S`` seconds, so that thousands of ranks do not hammer a shared file system every
+step) and at exit. Written to a temporary file and renamed: a reader never sees half a file.
 
 Job summary: at exit, each rank publishes its totals in the process group's key-value store (the
 one the cross-rank check uses, with its switch and timeout); rank 0 waits for them and logs one
@@ -45,7 +45,8 @@ class RankFile:
         self.written = 0
 
     def due(self, state: tuple[Any, ...]) -> bool:
-        """Whether a report whose problem ``state`` (unordered counts, crashes) is this is due."""
+        """Whether a report whose problem ``state`` (any unordered reuse, a crash) is this is
+        due."""
         return state != self._last_state or time.monotonic() - self._last_write >= REWRITE_S
 
     def write(self, report: dict[str, Any], state: tuple[Any, ...]) -> str:

@@ -28,14 +28,14 @@ def _rank(rank: int, world: int = 2, **fields: Any) -> dict[str, Any]:
 def test_rank_file_is_written_whole_and_rewritten_only_when_due(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = report.RankFile(str(tmp_path / "sub" / "audit"))
-    state = ("on", ((0, False),))
+    state = ("on", ((False, False),))
     assert out.due(state)
     name = out.write(_rank(3), state)
     assert name == str(tmp_path / "sub" / "audit.rank3.json")
     assert json.loads(Path(name).read_text())["rank"] == 3
     assert os.listdir(tmp_path / "sub") == ["audit.rank3.json"]  # no temporary left behind
     assert not out.due(state)
-    assert out.due(("on", ((1, False),)))  # a first unordered reuse is written at once
+    assert out.due(("on", ((True, False),)))  # a first unordered reuse is written at once
     later = time.monotonic() + report.REWRITE_S
     monkeypatch.setattr(report.time, "monotonic", lambda: later)
     assert out.due(state)
