@@ -53,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         "audit", help="run a training command with the on-the-job audit and summarise it",
         usage="mfsdp-hotfix audit --out PATH -- COMMAND [ARGS...]",
         description="Run COMMAND (e.g. torchrun ... train.py) like `mfsdp-hotfix run`, with "
-                    "MFSDP_HOTFIX_AUDIT=PATH: every rank writes PATH.rank<N>.json. Then print a "
-                    "summary of those files; the last line is 'audit: <VERDICT>: ...' (ordered, "
-                    "UNORDERED, CRASH, INCOMPLETE or NO DATA). The exit status is the command's.")
+                    "MFSDP_HOTFIX_AUDIT=PATH: every rank writes PATH.rank<N>.json (files of "
+                    "that name from an earlier run are removed first). Then print a summary of "
+                    "them; the last line is 'audit: <VERDICT>: ...' (ordered, UNORDERED, CRASH, "
+                    "INCOMPLETE or NO DATA). The exit status is the command's.")
     audit.add_argument("--out", required=True, help="path prefix of the rank files")
     audit.add_argument("cmd", nargs=argparse.REMAINDER)
     commands.add_parser("bootstrap-path", help="print the folder to prepend to PYTHONPATH")
@@ -210,13 +211,18 @@ def _selftest_audit(path: str | None, flavour: str, as_json: bool) -> int:
 def _audit(out: str, command: list[str], parser: argparse.ArgumentParser) -> int:
     """``audit``: the command with the bootstrap and MFSDP_HOTFIX_AUDIT, then a summary."""
     import subprocess
-    import time
 
     from .audit import report as audit_report
 
     command = _command(command, parser, "audit")
     path = os.path.abspath(out)
-    started = time.time()
+    earlier = audit_report.rank_files(path)
+    for name in earlier.values():  # a summary of this run only
+        try:
+            os.remove(name)
+        except OSError as exc:
+            print(f"mfsdp-hotfix audit: cannot remove {name} from an earlier run ({exc}); "
+                  "the summary may include it", file=sys.stderr)
     env = dict(os.environ, PYTHONPATH=_bootstrap_path(), **{settings.AUDIT: path})
     try:
         child = subprocess.Popen(command, env=env)
@@ -229,13 +235,12 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser) -> int
             break
         except KeyboardInterrupt:  # the command got the same signal; let it finish
             continue
-    reports, stale = audit_report.read_rank_files(path, since=started - 1.0)
+    reports, unreadable = audit_report.read_rank_files(path)
     verdict, lines = audit_report.summarise(reports, path)
-    print(f"mfsdp-hotfix audit: {len(reports)} rank file(s) {path}.rank<N>.json")
-    for line in lines:
+    print(f"mfsdp-hotfix audit: {len(reports)} rank file(s) {path}.rank<N>.json"
+          + (f" ({len(earlier)} from an earlier run removed first)" if earlier else ""))
+    for line in lines + [f"unreadable: {name}" for name in unreadable]:
         print(f"  {line}")
-    if stale:
-        print(f"  ignored {len(stale)} older rank file(s) from an earlier run")
     print(f"audit: {verdict}: {_AUDIT_MEANING[verdict]} (command exit status {status})")
     return status if status >= 0 else 128 - status
 

@@ -32,9 +32,6 @@ class Clocks(Protocol[M]):
     def mark_of(self, event: object) -> M | None:
         """The mark of an event found in the reduce-scatter queue (None: not one we know)."""
 
-    def last_mark(self) -> M | None:
-        """The most recently recorded mark (an RS whose event never reached the queue)."""
-
     def writer_after(self, mark: M) -> tuple[bool, str]:
         """Whether the current stream is ordered after ``mark``, and its name."""
 
@@ -60,33 +57,31 @@ class SlotReuse(Generic[M]):
 
     clocks: Clocks[M]
     reuses: int = 0
+    unseen: int = 0  # reuses after an RS whose event this observer never saw recorded
     unordered: list[Unordered] = field(default_factory=list)
     unordered_count: int = 0
     crash: dict[str, Any] | None = None
     active: bool = True  # False: the wrappers only call the originals
     keep: int = 5  # unordered reuses kept in full
-    # (id(param_groups), bucket_id) -> mark of that bucket's latest RS since it got its slot
-    _bucket_rs: dict[tuple[int, int], M] = field(default_factory=dict)
+    # (id(param_groups), bucket_id) -> mark of that bucket's latest queued RS since it got its
+    # slot (None: its event was never seen recorded)
+    _bucket_rs: dict[tuple[int, int], M | None] = field(default_factory=dict)
     # (id(allocator), slot) -> (mark of the last RS that read the slot, bucket that owned it)
-    _slot_reader: dict[tuple[int, Any], tuple[M, int]] = field(default_factory=dict)
+    _slot_reader: dict[tuple[int, Any], tuple[M | None, int]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         return {"reuses": self.reuses, "unordered": self.unordered_count,
-                "first_unordered": [asdict(u) for u in self.unordered]}
+                "unseen": self.unseen, "first_unordered": [asdict(u) for u in self.unordered]}
 
     # ---- what the wrappers report
     def reduced(self, pipeline: Any, bucket_group: list[int]) -> None:
+        """After an RS: remember the event queued with each bucket. A synchronous RS queues
+        nothing; it waits and frees its buckets inside the call."""
         groups = id(pipeline.buffer.parameter_groups)
-        queued: dict[int, M] = {}
-        for entry in pipeline.grad_reduce_queue:
-            mark = self.clocks.mark_of(entry[0])
-            if mark is not None:
-                queued[entry[-1]] = mark
-        fallback = self.clocks.last_mark()  # synchronous path: the event is never queued
+        queued = {entry[-1]: entry[0] for entry in pipeline.grad_reduce_queue}
         for bucket_id in bucket_group:
-            mark = queued.get(bucket_id, fallback)
-            if mark is not None:
-                self._bucket_rs[(groups, bucket_id)] = mark
+            if bucket_id in queued:
+                self._bucket_rs[(groups, bucket_id)] = self.clocks.mark_of(queued[bucket_id])
 
     def freeing(self, pool: Any, bucket_id: int) -> Any:
         return pool.using_buffer.get(bucket_id) if is_grad_pool(pool) else None
@@ -94,12 +89,12 @@ class SlotReuse(Generic[M]):
     def freed(self, pool: Any, bucket_id: int, slot: Any) -> None:
         if slot is None or bucket_id in pool.using_buffer:
             return
-        mark = self._bucket_rs.pop((id(pool.fsdp_param_groups), bucket_id), None)
+        bucket = (id(pool.fsdp_param_groups), bucket_id)
         key = (id(pool), slot)
-        if mark is None:
+        if bucket in self._bucket_rs:
+            self._slot_reader[key] = (self._bucket_rs.pop(bucket), bucket_id)
+        else:  # no RS read the slot since the bucket got it
             self._slot_reader.pop(key, None)
-        else:
-            self._slot_reader[key] = (mark, bucket_id)
 
     def allocated(self, pool: Any, bucket_id: int, had_slot: bool) -> None:
         if had_slot or not is_grad_pool(pool) or bucket_id not in pool.using_buffer:
@@ -110,6 +105,9 @@ class SlotReuse(Generic[M]):
         if reader is None:
             return
         mark, previous = reader
+        if mark is None:
+            self.unseen += 1
+            return
         self.reuses += 1
         ordered, writer = self.clocks.writer_after(mark)
         if not ordered:

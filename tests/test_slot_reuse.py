@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from miniature import miniature
+from miniature import backward, miniature
 
 from mfsdp_hotfix import slot_reuse
 from mfsdp_hotfix.patching import fix_of
@@ -61,3 +61,17 @@ def test_an_inactive_rule_only_calls_the_originals_and_undo_restores_them() -> N
     assert rule.reuses == 0 and pool.using_buffer == {} and errors == []
     assert undo() is True
     assert mini.FixedPoolAllocator.__dict__["allocate"] is original
+
+
+def test_a_reuse_after_a_reduce_scatter_the_observer_did_not_see_is_counted_not_judged() -> None:
+    class Blind(StandinClocks):
+        def mark_of(self, event: object) -> Any:
+            return None  # e.g. recorded before the audit was armed
+
+    rule = SlotReuse(Blind())
+    backward(lambda module: slot_reuse.observe(module, rule, "test-rule", _raise), True)
+    assert (rule.reuses, rule.unseen, rule.unordered_count) == (0, 3, 0)
+
+
+def _raise(where: str, exc: Exception) -> None:
+    raise exc

@@ -37,3 +37,22 @@ def test_documented_tables_come_from_the_raw_json() -> None:
 def test_cpu_benchmarks_run() -> None:
     out = script("benchmarks/run.py", "--quick").stdout
     assert "getter-guard" in out and "heavy packages imported at `import mfsdp_hotfix`: none" in out
+
+
+def test_audit_phases_plan_every_release_and_configuration() -> None:
+    out = script("validation/run_matrix.py", "--phase", "audit", "auditperf", "--dry").stdout
+    for release in ("fsdp-0.4.0", "fsdp-0.5.1", "fsdp-0.6.1", "core-0.18.2", "core-0.19.2"):
+        for variant in ("db+audit", "db+hotfix+audit"):
+            assert f"{release}|z2|fused|nccl_sem|{variant}|d20" in out, (release, variant)
+        for zero in (1, 2, 3):
+            assert f"{release}|z{zero}|mb1|nccl_sem|db+hotfix+audit|d0|sweep" in out
+    assert "core-0.19.2|z2|perf|db+hotfix+audit|d0|rep1" in out
+
+
+def test_documented_audit_tables_come_from_the_raw_json() -> None:
+    tables = [line for line in script("validation/audit_report.py").stdout.splitlines()
+              if line.startswith("|")]
+    documented = (REPO / "docs" / "VALIDATION.md").read_text()
+    assert len(tables) > 40
+    missing = [line for line in tables if line not in documented]
+    assert not missing, missing[:5]

@@ -44,6 +44,7 @@ class CopyAudit:
         return {"package": self.package, "version": self.version, "era": self.era or "refused",
                 "fixes": fixes, "audited": self.rule is not None,
                 "reuses": found.get("reuses", 0), "unordered": found.get("unordered", 0),
+                "unseen": found.get("unseen", 0),
                 "first_unordered": first[0], "crashed": crash is not None, "crash": crash,
                 "note": self.note}
 

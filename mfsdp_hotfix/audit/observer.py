@@ -65,7 +65,6 @@ class Observer:
     def __init__(self, on_error: Callable[[str, Exception], None]) -> None:
         self.timeline = Timeline()
         self.marks: weakref.WeakKeyDictionary[Any, Mark] = weakref.WeakKeyDictionary()
-        self.last: Mark | None = None
         self.active = True
         self.operations = 0
         self._on_error = on_error
@@ -80,9 +79,6 @@ class Observer:
             return self.marks.get(event)
         except TypeError:  # not weak-referenceable: nothing we recorded
             return None
-
-    def last_mark(self) -> Mark | None:
-        return self.last
 
     def writer_after(self, mark: Mark) -> tuple[bool, str]:
         writer = self.current()
@@ -166,7 +162,6 @@ class Observer:
                 self.marks[target] = mark
             except TypeError:  # a handle that cannot be weakly referenced: never waited on
                 pass
-        self.last = mark
         return mark
 
     # ---- steps: (instance, args, kwargs, result)

@@ -3,10 +3,14 @@
 
 Rank file ``<path>.rank<N>.json``: ``{"rank", "world_size", "final", "finish_grad_sync_calls",
 "audit", "copies": [{"package", "version", "era", "fixes", "audited", "reuses", "unordered",
-"first_unordered", "crashed", "crash", "note"}]}``. It is rewritten after ``finish_grad_sync``
-(the first one, the one after the first unordered reuse or a crash, and otherwise at most
-every ``REWRITE_S`` seconds, so that thousands of ranks do not hammer a shared file system every
-step) and at exit. Written to a temporary file and renamed: a reader never sees half a file.
+"unseen", "first_unordered", "crashed", "crash", "note"}]}``. ``unseen``: slot reuses after a
+reduce-scatter whose event the audit never saw recorded (it was armed late, or the code records
+events in a way it does not observe); they are not judged.
+
+The file is rewritten after ``finish_grad_sync`` (the first one, the one after the first
+unordered reuse or a crash, and otherwise at most every ``REWRITE_S`` seconds, so that thousands
+of ranks do not hammer a shared file system every step) and at exit. Written to a temporary file
+and renamed: a reader never sees half a file.
 
 Job summary: at exit, each rank publishes its totals in the process group's key-value store (the
 one the cross-rank check uses, with its switch and timeout); rank 0 waits for them and logs one
@@ -69,6 +73,7 @@ def totals(report: dict[str, Any]) -> dict[str, int]:
     copies = report.get("copies", [])
     return {"reuses": sum(int(c.get("reuses", 0)) for c in copies),
             "unordered": sum(int(c.get("unordered", 0)) for c in copies),
+            "unseen": sum(int(c.get("unseen", 0)) for c in copies),
             "crashed": int(any(c.get("crashed") for c in copies)),
             "disabled": int(bool(report.get("audit", "on") != "on"))}
 
@@ -94,9 +99,10 @@ def job_line(found: dict[int, dict[str, int]], world: int, path: str, timeout_s:
     unordered = {r: t["unordered"] for r, t in found.items() if t["unordered"]}
     crashed = [r for r, t in found.items() if t["crashed"]]
     disabled = [r for r, t in found.items() if t.get("disabled")]
+    unseen = sum(t.get("unseen", 0) for t in found.values())
     silent = [r for r in range(world) if r not in found]
     verdict = ("UNORDERED" if unordered else "CRASH" if crashed else
-               "INCOMPLETE" if silent or disabled else "ordered")
+               "INCOMPLETE" if silent or disabled or unseen else "ordered")
     parts = [f"mfsdp_hotfix audit, {world} rank{'s' if world > 1 else ''}: {verdict}: "
              f"{sum(unordered.values())} unordered of {reuses} gradient-slot reuses"]
     if unordered:
@@ -105,6 +111,8 @@ def job_line(found: dict[int, dict[str, int]], world: int, path: str, timeout_s:
         parts.append(f"'No buffer found' crash on ranks {_ranks(crashed)}")
     if disabled:
         parts.append(f"audit disabled by an error on ranks {_ranks(disabled)}")
+    if unseen:
+        parts.append(f"{unseen} reuses not judged (their reduce-scatter was not seen)")
     if silent:
         parts.append(f"no report within {timeout_s:g} s from ranks {_ranks(silent)}")
     return verdict, "; ".join(parts) + f" (details: {path}.rank*.json)"
@@ -116,25 +124,28 @@ def _ranks(ranks: list[int]) -> str:
 
 
 # ---- reading (the CLI)
-def read_rank_files(path: str, since: float = 0.0) -> tuple[dict[int, dict[str, Any]],
-                                                            list[str]]:
-    """The rank files of ``path`` modified at or after ``since`` (others are listed as stale)."""
-    reports: dict[int, dict[str, Any]] = {}
-    stale: list[str] = []
+def rank_files(path: str) -> dict[int, str]:
+    """The rank files of ``path`` present now, by rank."""
     pattern = re.compile(re.escape(os.path.basename(path)) + r"\.rank(\d+)\.json$")
+    found = {}
     for name in sorted(glob.glob(glob.escape(path) + ".rank*.json")):
         match = pattern.search(os.path.basename(name))
-        if match is None:
-            continue
+        if match is not None:
+            found[int(match.group(1))] = name
+    return found
+
+
+def read_rank_files(path: str) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """The rank files of ``path``, and those that could not be read."""
+    reports: dict[int, dict[str, Any]] = {}
+    unreadable: list[str] = []
+    for rank, name in rank_files(path).items():
         try:
-            if os.path.getmtime(name) < since:
-                stale.append(name)
-                continue
             with open(name) as handle:
-                reports[int(match.group(1))] = json.load(handle)
+                reports[rank] = json.load(handle)
         except (OSError, ValueError) as exc:
-            stale.append(f"{name} (unreadable: {exc})")
-    return reports, stale
+            unreadable.append(f"{name} ({exc})")
+    return reports, unreadable
 
 
 def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[str]]:
@@ -152,11 +163,13 @@ def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[
             key = (str(copy.get("package")), str(copy.get("version")), str(copy.get("era")),
                    ",".join(copy.get("fixes") or []) or "none")
             entry = per_copy.setdefault(key, {"ranks": [], "reuses": 0, "unordered": 0,
+                                              "unseen": 0,
                                               "unordered_ranks": [], "crashed": [],
                                               "first": None, "notes": set()})
             entry["ranks"].append(rank)
             entry["reuses"] += int(copy.get("reuses", 0))
             entry["unordered"] += int(copy.get("unordered", 0))
+            entry["unseen"] += int(copy.get("unseen", 0))
             if copy.get("unordered"):
                 entry["unordered_ranks"].append(rank)
                 entry["first"] = entry["first"] or (rank, copy.get("first_unordered"))
@@ -167,7 +180,9 @@ def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[
     for (package, version, era, fixes), entry in per_copy.items():
         lines.append(f"{package} {version} (era {era}, hotfix fixes applied: {fixes}), ranks "
                      f"{_ranks(entry['ranks'])}: {entry['unordered']} unordered of "
-                     f"{entry['reuses']} gradient-slot reuses")
+                     f"{entry['reuses']} gradient-slot reuses"
+                     + (f" ({entry['unseen']} more not judged: their reduce-scatter was not "
+                        "seen)" if entry["unseen"] else ""))
         if entry["first"]:
             rank, first = entry["first"]
             lines.append(f"  first unordered reuse (rank {rank}): {json.dumps(first)}")
@@ -188,6 +203,7 @@ def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[
                      f"{_ranks(sorted(unfinished))}")
     unordered = sum(e["unordered"] for e in per_copy.values())
     crashed = any(e["crashed"] for e in per_copy.values())
+    unseen = any(e["unseen"] for e in per_copy.values())
     verdict = ("UNORDERED" if unordered else "CRASH" if crashed else
-               "INCOMPLETE" if missing or disabled or not per_copy else "ordered")
+               "INCOMPLETE" if missing or disabled or unseen or not per_copy else "ordered")
     return verdict, lines

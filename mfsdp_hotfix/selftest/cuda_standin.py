@@ -36,8 +36,6 @@ TIMELINE = Timeline()
 class Event:
     """A recorded point on one stream (its :class:`Mark` carries what that stream had waited on)."""
 
-    _last_recorded: Event | None = None
-
     def __init__(self, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, **_: Any) -> None:
         self.stream: Stream | None = None
@@ -55,7 +53,6 @@ class Event:
         target = stream if stream is not None else current_stream()
         self.stream = target
         self.mark = TIMELINE.record(target.stream_id)
-        Event._last_recorded = self
 
     def wait(self, stream: Stream | None = None) -> None:
         (stream if stream is not None else current_stream()).wait_event(self)
@@ -193,10 +190,6 @@ class CpuDeviceIndex(str):
 
     def __index__(self) -> int:
         return 0
-
-
-def last_recorded_event() -> Event | None:
-    return Event._last_recorded
 
 
 def install() -> Callable[[], None]:

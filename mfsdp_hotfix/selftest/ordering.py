@@ -26,9 +26,6 @@ class StandinClocks:
     def mark_of(self, event: object) -> cuda_standin.Event | None:
         return event if isinstance(event, cuda_standin.Event) and event.recorded else None
 
-    def last_mark(self) -> cuda_standin.Event | None:
-        return cuda_standin.last_recorded_event()
-
     def writer_after(self, mark: cuda_standin.Event) -> tuple[bool, str]:
         writer = cuda_standin.current_stream()
         return writer.has_waited_for(mark), writer.name

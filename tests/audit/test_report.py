@@ -72,14 +72,15 @@ def test_exchange_through_a_store() -> None:
                      1: {"reuses": 3, "unordered": 1, "crashed": 0}}
 
 
-def test_reading_rank_files_skips_older_ones(tmp_path: Path) -> None:
+def test_reading_rank_files(tmp_path: Path) -> None:
     prefix = str(tmp_path / "audit")
     Path(prefix + ".rank0.json").write_text(json.dumps(_rank(0)))
-    Path(prefix + ".rank1.json").write_text(json.dumps(_rank(1)))
-    os.utime(prefix + ".rank1.json", (1, 1))
+    Path(prefix + ".rank12.json").write_text("{")
     Path(prefix + ".rank2.json.123.tmp").write_text("{")
-    reports, stale = report.read_rank_files(prefix, since=time.time() - 60)
-    assert list(reports) == [0] and stale == [prefix + ".rank1.json"]
+    Path(prefix + "x.rank3.json").write_text("{}")
+    assert report.rank_files(prefix) == {0: prefix + ".rank0.json", 12: prefix + ".rank12.json"}
+    reports, unreadable = report.read_rank_files(prefix)
+    assert list(reports) == [0] and unreadable[0].startswith(prefix + ".rank12.json (")
 
 
 def test_summary_of_rank_files() -> None:
@@ -96,3 +97,5 @@ def test_summary_of_rank_files() -> None:
     verdict, lines = report.summarise({0: _rank(0, world=4)}, "p")
     assert verdict == "INCOMPLETE" and "no rank file from ranks 1,2,3 of 4" in lines
     assert report.summarise({}, "p")[0] == "NO DATA"
+    verdict, lines = report.summarise({0: _rank(0, world=1, unseen=4)}, "p")
+    assert verdict == "INCOMPLETE" and "(4 more not judged" in lines[0]

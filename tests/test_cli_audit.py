@@ -1,0 +1,56 @@
+"""``mfsdp-hotfix audit``: the command runs with the variable and the bootstrap, its exit status
+passes through, and the summary's last line says what the rank files say (no megatron needed:
+the commands here write or skip the rank files themselves)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from conftest import run_python
+
+from mfsdp_hotfix import bootstrap
+
+WRITE_RANK_FILE = """
+import json, os, sys
+path = os.environ["MFSDP_HOTFIX_AUDIT"]
+assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == sys.argv[1], os.environ["PYTHONPATH"]
+copy = {"package": "megatron_fsdp", "version": "0.5.1", "era": "B", "fixes": [], "reuses": 36,
+        "unordered": int(sys.argv[2]), "unseen": 0, "first_unordered": None, "crashed": False}
+json.dump({"rank": 0, "world_size": 1, "final": True, "audit": "on", "copies": [copy]},
+          open(path + ".rank0.json", "w"))
+"""
+
+
+def _audit(tmp_path: Path, *command: str) -> tuple[int, list[str]]:
+    out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "a"),
+                               "--", *command))
+    return out.returncode, out.stdout.splitlines()
+
+
+def test_unordered_reuses_are_the_verdict_and_the_exit_status_is_the_commands(
+        tmp_path: Path) -> None:
+    status, lines = _audit(tmp_path, sys.executable, "-c", WRITE_RANK_FILE,
+                           str(bootstrap.SITECUSTOMIZE_DIR), "24")
+    assert status == 0, lines
+    assert lines[1].startswith("  megatron_fsdp 0.5.1 (era B, hotfix fixes applied: none), "
+                               "ranks 0: 24 unordered of 36"), lines
+    assert lines[-1].startswith("audit: UNORDERED: ") and lines[-1].endswith(
+        "(command exit status 0)")
+    status, lines = _audit(tmp_path, sys.executable, "-c", WRITE_RANK_FILE,
+                           str(bootstrap.SITECUSTOMIZE_DIR), "0")
+    assert lines[0].endswith("(1 from an earlier run removed first)")
+    assert lines[-1].startswith("audit: ordered: every gradient-slot reuse")
+
+
+def test_no_rank_file_is_no_data_and_a_failing_command_keeps_its_status(tmp_path: Path) -> None:
+    (tmp_path / "a.rank3.json").write_text(json.dumps({"rank": 3, "copies": []}))
+    status, lines = _audit(tmp_path, sys.executable, "-c", "raise SystemExit(3)")
+    assert status == 3
+    assert lines[-1].startswith("audit: NO DATA: ") and not (tmp_path / "a.rank3.json").exists()
+
+
+def test_a_command_is_required(tmp_path: Path) -> None:
+    out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "a")))
+    assert out.returncode == 2 and "audit needs a command" in out.stderr
