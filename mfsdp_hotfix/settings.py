@@ -85,8 +85,10 @@ def read(env: Mapping[str, str] | None = None, known_fixes: frozenset[str] = fro
 def _unknown(name: str) -> str:
     import difflib
 
-    close = difflib.get_close_matches(name, ALL_VARIABLES, n=1, cutoff=0.5)
-    hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(ALL_VARIABLES)}"
+    # Compared without the common prefix, which would otherwise dominate the similarity.
+    tails = {variable.removeprefix(f"{SWITCH}_"): variable for variable in ALL_VARIABLES}
+    close = difflib.get_close_matches(name.removeprefix(f"{SWITCH}_"), tails, n=1, cutoff=0.5)
+    hint = f"did you mean {tails[close[0]]}?" if close else f"known: {', '.join(ALL_VARIABLES)}"
     return f"{name} is not a variable mfsdp_hotfix reads ({hint}); it is ignored"
 
 

@@ -50,6 +50,7 @@ def test_garbage_gives_one_clear_problem_and_the_default(name: str, value: str, 
     ("MFSDP_HOTFIX_TIMEOUT", "MFSDP_HOTFIX_CROSS_RANK_TIMEOUT"),
     ("MFSDP_HOTFIX_DISABLE_FIXES", "MFSDP_HOTFIX_DISABLED_FIXES"),
     ("MFSDP_HOTFIXX", "MFSDP_HOTFIX"),
+    ("MFSDP_HOTFIX_AUDT", "MFSDP_HOTFIX_AUDIT"),
 ])
 def test_unknown_name_is_named_with_the_closest_known_one(name: str, closest: str) -> None:
     found = read(**{name: "-3"})
@@ -60,3 +61,8 @@ def test_unknown_name_is_named_with_the_closest_known_one(name: str, closest: st
 
 def test_every_known_name_is_quiet() -> None:
     assert not read(**{name: "" for name in settings.ALL_VARIABLES}).problems
+
+
+def test_audit_path() -> None:
+    assert read().audit_path is None and read(MFSDP_HOTFIX_AUDIT=" ").audit_path is None
+    assert read(MFSDP_HOTFIX_AUDIT=" /scratch/a ").audit_path == "/scratch/a"
