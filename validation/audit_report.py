@@ -3,14 +3,14 @@
 
     python3 validation/audit_report.py [docs/validation]
 
-Reads ``audit-call*.json`` (written on the GPU by ``run_matrix.py --phase audit auditperf``).
-Every audit count comes from the rank file the audit itself wrote when the case's process
+Reads the final call's ``audit-call3-matrix.json`` and ``audit-call3-perf.json`` (written on the
+GPU by ``run_matrix.py --phase audit auditperf``; calls 1 and 2 ran earlier commits and are kept
+as they came back). Every audit count comes from the rank file the audit itself wrote when the case's process
 exited (``audit_file`` in each record); grads are compared with the case's serialized truth.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import statistics
@@ -19,11 +19,13 @@ import sys
 from report import DEFAULT, RELS, cell
 
 SHIPPED, FIXED = "db+audit", "db+hotfix+audit"
+FILES = ("audit-call3-matrix.json", "audit-call3-perf.json")
 
 
 def load(folder):
     cases = {}
-    for path in sorted(glob.glob(os.path.join(folder, "audit-call*.json"))):
+    for name in FILES:
+        path = os.path.join(folder, name)
         with open(path) as f:
             doc = json.load(f)
         for c in doc["cases"]:
@@ -87,8 +89,7 @@ def perf_table(cases):
     rows = {}
     for lab, c in cases.items():
         r = c.get("result") or {}
-        if "|perf|" not in lab or not r.get("step_ms_median") or c["_file"] != \
-                "audit-call2-perf.json":
+        if "|perf|" not in lab or not r.get("step_ms_median"):
             continue
         rel, _, _, v, _, _ = lab.split("|")
         rows.setdefault((rel, v), []).append((r, c.get("audit_file")))
