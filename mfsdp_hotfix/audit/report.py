@@ -7,10 +7,10 @@ Rank file ``<path>.rank<N>.json``: ``{"rank", "world_size", "final", "finish_gra
 reduce-scatter whose event the audit never saw recorded (it was armed late, or the code records
 events in a way it does not observe); they are not judged.
 
-The file is rewritten after ``finish_grad_sync`` (the first one, the one after the first
-unordered reuse or a crash, and otherwise at most every ``REWRITE_S`` seconds, so that thousands
-of ranks do not hammer a shared file system every step) and at exit. Written to a temporary file
-and renamed: a reader never sees half a file.
+The file is written after ``finish_grad_sync`` (the first one, the first one after the first
+unordered reuse, and otherwise at most every ``REWRITE_S`` seconds, so that thousands of ranks
+do not hammer a shared file system every step) and at exit (a crash is recorded then). Written
+to a temporary file and renamed: a reader never sees half a file.
 
 Job summary: at exit, each rank publishes its totals in the process group's key-value store (the
 one the cross-rank check uses, with its switch and timeout); rank 0 waits for them and logs one
