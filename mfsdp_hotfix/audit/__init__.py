@@ -122,7 +122,7 @@ class _Audit:
         incidents.report(AUDIT, where, exc, advice="the audit stopped; the training job goes on "
                          "unaudited and the rank files say 'disabled'. Please report this with "
                          "`mfsdp-hotfix status --json`.")
-        self.write(force=True)
+        self.write()
 
     # ---- import hooks (never raise into the user's import)
     def _live(self) -> bool:
@@ -162,7 +162,7 @@ class _Audit:
 
     # ---- reporting
     def after_step(self) -> None:
-        """After ``finish_grad_sync``: learn the process group once, maybe rewrite the file."""
+        """After ``finish_grad_sync``: learn the process group once, rewrite the file."""
         self.steps += 1
         if self.group is None:
             self.group = _process_group()
@@ -187,18 +187,14 @@ class _Audit:
                 "observed_operations": self.observer.operations,
                 "copies": [c.as_dict(fixes.get(c.package, [])) for c in self.copies.values()]}
 
-    def write(self, final: bool = False, force: bool = False) -> None:
+    def write(self, final: bool = False) -> None:
         if os.getpid() != self.pid or incidents.disabled(REPORT):
             return  # a forked child, or a path that cannot be written
         with _lock:
             data = self.snapshot(final)
-            state = (data["audit"], tuple((c["unordered"] > 0, c["crashed"])
-                                          for c in data["copies"]))
-            if not (final or force or self.file.due(state)):
-                return
             target = report.rank_file(self.path, data["rank"])
             try:
-                self.file.write(data, state)
+                self.file.write(data)
             except Exception as exc:
                 incidents.report(REPORT, f"writing {target}", exc, advice=(
                     "no rank file is written from this process; the audit goes on counting "

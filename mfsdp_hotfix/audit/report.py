@@ -7,10 +7,9 @@ Rank file ``<path>.rank<N>.json``: ``{"rank", "world_size", "final", "finish_gra
 reduce-scatter whose event the audit never saw recorded (it was armed late, or the code records
 events in a way it does not observe); they are not judged.
 
-The file is written after ``finish_grad_sync`` (the first one, the first one after the first
-unordered reuse, and otherwise at most every ``REWRITE_S`` seconds, so that thousands of ranks
-do not hammer a shared file system every step) and at exit (a crash is recorded then). Written
-to a temporary file and renamed: a reader never sees half a file.
+The file is written after every ``finish_grad_sync`` (so a job killed mid-run still leaves its
+last step's counts) and at exit (a crash is recorded then): one small file per rank, written to
+a temporary file and renamed, so a reader never sees half a file.
 
 Job summary: at exit, each rank publishes its totals in the process group's key-value store (the
 one the cross-rank check uses, with its switch and timeout); rank 0 waits for them and logs one
@@ -25,13 +24,11 @@ import json
 import logging
 import os
 import re
-import time
 from datetime import timedelta
 from typing import Any
 
 log = logging.getLogger("mfsdp_hotfix")
 
-REWRITE_S = 30.0
 STORE_PREFIX = "mfsdp_hotfix/audit/"
 
 
@@ -40,20 +37,13 @@ def rank_file(path: str, rank: int) -> str:
 
 
 class RankFile:
-    """Writes one rank's report, throttled as the module docstring says."""
+    """Writes one rank's report, whole."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._last_write = 0.0
-        self._last_state: tuple[Any, ...] | None = None
         self.written = 0
 
-    def due(self, state: tuple[Any, ...]) -> bool:
-        """Whether a report whose problem ``state`` (any unordered reuse, a crash) is this is
-        due."""
-        return state != self._last_state or time.monotonic() - self._last_write >= REWRITE_S
-
-    def write(self, report: dict[str, Any], state: tuple[Any, ...]) -> str:
+    def write(self, report: dict[str, Any]) -> str:
         """Write ``report`` now; returns the file name. Raises OSError on failure."""
         target = rank_file(self.path, int(report["rank"]))
         folder = os.path.dirname(target)
@@ -63,7 +53,6 @@ class RankFile:
         with open(temporary, "w") as handle:
             json.dump(report, handle, indent=1, sort_keys=True, default=str)
         os.replace(temporary, target)
-        self._last_write, self._last_state = time.monotonic(), state
         self.written += 1
         return target
 

@@ -34,8 +34,8 @@ def test_an_unwritable_path_gives_one_warning_and_the_job_goes_on(
     caplog.set_level(logging.INFO, logger="mfsdp_hotfix")
     (tmp_path / "file").write_text("")
     state = _trained(str(tmp_path / "file" / "audit"))
-    state.write(force=True)
-    state.write(force=True)
+    state.write()
+    state.write()
     state.finish()  # the job line is still logged (this process alone: world 1)
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and "audit-report failed" in warnings[0]
@@ -109,3 +109,12 @@ def test_on_even_with_the_hotfix_off(fsdp_release: Any, tmp_path: Path) -> None:
     assert probe == {"audit_imported": True, "marks": {
         "record": "audit", "wait_event": "audit", "allocate": "audit",
         "synchronize": "audit"}}, out.stderr
+
+
+def test_the_rank_file_is_rewritten_after_every_finish_grad_sync(tmp_path: Path) -> None:
+    state = audit._Audit(Settings(audit_path=str(tmp_path / "audit")))
+    state.group = (None, 0, 1)
+    for step in (1, 2, 3):
+        state.after_step()
+        written = json.loads((tmp_path / "audit.rank0.json").read_text())
+        assert (written["finish_grad_sync_calls"], written["final"]) == (step, False)

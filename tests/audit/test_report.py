@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,26 +24,20 @@ def _rank(rank: int, world: int = 2, **fields: Any) -> dict[str, Any]:
             "copies": [_copy(**fields)]}
 
 
-def test_rank_file_is_written_whole_and_rewritten_only_when_due(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rank_file_is_written_whole_and_replaced(tmp_path: Path) -> None:
     out = report.RankFile(str(tmp_path / "sub" / "audit"))
-    state = ("on", ((False, False),))
-    assert out.due(state)
-    name = out.write(_rank(3), state)
+    name = out.write(_rank(3))
     assert name == str(tmp_path / "sub" / "audit.rank3.json")
     assert json.loads(Path(name).read_text())["rank"] == 3
+    assert out.write(_rank(3, reuses=7)) == name
+    assert json.loads(Path(name).read_text())["copies"][0]["reuses"] == 7
     assert os.listdir(tmp_path / "sub") == ["audit.rank3.json"]  # no temporary left behind
-    assert not out.due(state)
-    assert out.due(("on", ((True, False),)))  # a first unordered reuse is written at once
-    later = time.monotonic() + report.REWRITE_S
-    monkeypatch.setattr(report.time, "monotonic", lambda: later)
-    assert out.due(state)
 
 
 def test_an_unwritable_path_raises_for_the_caller_to_report(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(OSError):
-        report.RankFile(str(tmp_path / "file" / "audit")).write(_rank(0), ())
+        report.RankFile(str(tmp_path / "file" / "audit")).write(_rank(0))
 
 
 @pytest.mark.parametrize(("found", "verdict", "words"), [
