@@ -3,7 +3,7 @@
 
     python3 validation/audit_report.py [docs/validation]
 
-Reads the final call's ``audit-call3-matrix.json`` and ``audit-call3-perf.json`` (written on the
+Reads the final call's ``audit-call4-matrix.json`` and ``audit-call4-perf.json`` (written on the
 GPU by ``run_matrix.py --phase audit auditperf``; calls 1 and 2 ran earlier commits and are kept
 as they came back). Every audit count comes from the rank file the audit itself wrote when the case's process
 exited (``audit_file`` in each record); grads are compared with the case's serialized truth.
@@ -19,7 +19,7 @@ import sys
 from report import DEFAULT, RELS, cell
 
 SHIPPED, FIXED = "db+audit", "db+hotfix+audit"
-FILES = ("audit-call3-matrix.json", "audit-call3-perf.json")
+FILES = ("audit-call4-matrix.json", "audit-call4-perf.json")
 
 
 def load(folder):
