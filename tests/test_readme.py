@@ -87,3 +87,16 @@ def test_install_lines_leave_a_training_environment_alone(tmp_path: Path) -> Non
     after = freeze(pip)
     assert {k: after.get(k) for k in ("torch", "megatron-fsdp")} == \
         {k: before[k] for k in ("torch", "megatron-fsdp")}
+
+
+def test_the_summary_line_the_readme_shows_is_the_real_one(fsdp_release) -> None:
+    """'Seeing it live in a real job' quotes the summary line; it must be what a job prints."""
+    from conftest import run_python
+
+    quoted = re.search(r"e\.g\. `(mfsdp_hotfix: megatron-fsdp 0\.5\.1 [^`]*)`",
+                       " ".join(section("Use it").split()))
+    assert quoted, "the README no longer quotes a summary line"
+    proc = run_python("import mfsdp_hotfix, megatron_fsdp.megatron_fsdp\n"
+                      "print(mfsdp_hotfix.summary())", fsdp_release("0.5.1"))
+    assert proc.stdout.strip() == quoted.group(1), proc.stderr[-2000:]
+    assert "fsdp_double_buffer=True" in section("Who needs it")
