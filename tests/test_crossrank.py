@@ -75,9 +75,12 @@ import mfsdp_hotfix
 from mfsdp_hotfix import installer
 mfsdp_hotfix.install()
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+from types import SimpleNamespace
 built = []
+record = SimpleNamespace(detection=None, fixes={})  # a copy that needs no fix
 for _ in range(2):
-    installer._after_model_init(lambda: built.append(1), None, (), {})
+    installer._after_model_init(record, lambda: built.append(1),
+                                SimpleNamespace(ddp_config=None), (), {})
 print("REPORT", len(built), sorted(mfsdp_hotfix.status()["failures"]))
 """
     proc = run_python(code)
