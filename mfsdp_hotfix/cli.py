@@ -64,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return _status(args.json, args.check)
     if args.command == "selftest":
-        if args.audit:
-            return _selftest_audit(args.path, args.flavour, args.json)
-        return _selftest(args.path, args.flavour, args.json)
+        return _selftest(args.path, args.flavour, args.json, args.audit)
     if args.command == "run":
         return _run(args.cmd, parser)
     if args.command == "audit":
@@ -168,7 +166,9 @@ def _shape_line(qualname: str, found: dict[str, Any], fingerprint: str | None) -
     return f"{name}: {found['shape']}, recognised by {found['matched_by']} ({found['implies']})"
 
 
-def _selftest(path: str | None, flavour: str, as_json: bool) -> int:
+def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool) -> int:
+    """``selftest`` (and ``--audit``: both phases with the audit on, and PASS also needs the
+    audit's counts to equal the stand-in's in each phase)."""
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -177,34 +177,17 @@ def _selftest(path: str | None, flavour: str, as_json: bool) -> int:
               "machine without them, use a fresh virtual environment (README, 'Try it').",
               file=sys.stderr)
         return 2
-    from .selftest.selftest import conclusion, run_selftest
-
-    # With --json, stdout carries only the JSON; progress and the table go to stderr.
-    runs = run_selftest(path=path, flavour=flavour, out=sys.stderr if as_json else sys.stdout)
-    passed, line = conclusion(runs)
-    if as_json:
-        print(json.dumps({"verdict": "PASS" if passed else "FAIL", "conclusion": line,
-                          **{name: result.to_dict() for name, result in runs}}, default=str))
-    return 0 if passed else 1
-
-
-def _selftest_audit(path: str | None, flavour: str, as_json: bool) -> int:
-    """``selftest --audit``: both phases with the audit on; PASS also needs the audit's counts
-    to equal the stand-in's in each phase."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        print("selftest: FAIL: no torch in this environment", file=sys.stderr)
-        return 2
     from .selftest.selftest import audit_phase, conclusion, run_selftest
 
+    # With --json, stdout carries only the JSON; progress and the table go to stderr.
     runs = run_selftest(path=path, flavour=flavour, out=sys.stderr if as_json else sys.stdout,
-                        audit=True)
+                        audit=audit)
     passed, line = conclusion(runs)
     if as_json:
+        results = ({"phases": [audit_phase(name, result) for name, result in runs]} if audit
+                   else {name: result.to_dict() for name, result in runs})
         print(json.dumps({"verdict": "PASS" if passed else "FAIL", "conclusion": line,
-                          "phases": [audit_phase(name, result) for name, result in runs]},
-                         default=str))
+                          **results}, default=str))
     return 0 if passed else 1
 
 
