@@ -16,9 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from . import bootstrap, reporting, settings, status
+from .selftest.gpu_spec import LAYERS as GPU_LAYERS
 
 # Exit codes of ``status --check``.
 CHECK_OK, CHECK_UNFIXED = 0, 1
+# Exit codes of ``selftest``: PASS, FAIL, and cannot run here (no torch; --gpu: no CUDA GPU).
+SELFTEST_PASS, SELFTEST_FAIL, SELFTEST_CANNOT_RUN = 0, 1, 2
+
+GPU_ONLY = ("gpus", "layer", "delay_ms", "zero", "dtype", "timeout")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +50,33 @@ def main(argv: list[str] | None = None) -> int:
                            "and the PASS/FAIL line go to stderr)")
     test.add_argument("--audit", action="store_true",
                       help="run both phases with the on-the-job audit on and check that its "
-                           "counts equal the stand-in's; with --json, print {\"phases\": [...]}")
+                           "counts equal the stand-in's; with --json, print {\"phases\": [...]} "
+                           "(with --gpu the audit is always on)")
+    gpu = test.add_argument_group(
+        "GPU mode", "--gpu runs the same before/after on this machine's GPU(s): 1 GPU as a fake "
+        "2-rank group with NCCL work semantics, several as NCCL ranks (torchrun); real "
+        "TransformerEngine layers when transformer_engine is importable; each reduce-scatter "
+        "made slow; every run compared bit for bit with the same run under "
+        "CUDA_LAUNCH_BLOCKING=1, and the on-the-job audit on. PASS: with the hotfix the "
+        "gradients are bit-identical and the audit saw >0 slot reuses, none unordered. Exit 2 "
+        "when it cannot run here (no CUDA GPU).")
+    gpu.add_argument("--gpu", action="store_true", help="run on the GPU(s) instead of the CPU")
+    gpu.add_argument("--gpus", type=int, metavar="N",
+                     help="how many GPUs to use (default: all visible; 1: fake 2-rank group)")
+    gpu.add_argument("--layer", choices=list(GPU_LAYERS), default="auto",
+                     help="'te-layernorm-mlp' (te.LayerNormMLP), 'te-linear' (te.Linear), "
+                          "'emulated' (TransformerEngine's fused-wgrad contract in PyTorch) or "
+                          "'auto' (te-layernorm-mlp when transformer_engine is importable, else "
+                          "emulated; default)")
+    gpu.add_argument("--delay-ms", type=float, default=20.0, metavar="MS",
+                     help="slow-reduce-scatter fault: GPU sleep enqueued before each "
+                          "reduce-scatter, calibrated with CUDA events (default 20; 0: none)")
+    gpu.add_argument("--zero", type=int, choices=[2, 3], default=3,
+                     help="ZeRO stage: 3 shards parameters too, 2 gradients only (default 3)")
+    gpu.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                     help="parameter dtype (default fp32)")
+    gpu.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                     help="seconds each run may take before it is killed (default 300)")
     run = commands.add_parser("run", help="run a command with the hotfix on every process",
                               usage="mfsdp-hotfix run -- COMMAND [ARGS...]")
     run.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -64,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return _status(args.json, args.check)
     if args.command == "selftest":
+        if args.gpu:
+            return _gpu_selftest(args)
+        given = [f"--{name.replace('_', '-')}" for name in GPU_ONLY
+                 if getattr(args, name) != test.get_default(name)]
+        if given:
+            test.error(f"{', '.join(given)} only apply with --gpu")
         return _selftest(args.path, args.flavour, args.json, args.audit)
     if args.command == "run":
         return _run(args.cmd, parser)
@@ -176,7 +213,7 @@ def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool) -> int
               "environment's own torch and Megatron-FSDP and installs nothing; to try it on a "
               "machine without them, use a fresh virtual environment (README, 'Try it').",
               file=sys.stderr)
-        return 2
+        return SELFTEST_CANNOT_RUN
     from .selftest.selftest import audit_phase, conclusion, run_selftest
 
     # With --json, stdout carries only the JSON; progress and the table go to stderr.
@@ -188,7 +225,41 @@ def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool) -> int
                    else {name: result.to_dict() for name, result in runs})
         print(json.dumps({"verdict": "PASS" if passed else "FAIL", "conclusion": line,
                           **results}, default=str))
-    return 0 if passed else 1
+    return SELFTEST_PASS if passed else SELFTEST_FAIL
+
+
+def _gpu_selftest(args: argparse.Namespace) -> int:
+    """``selftest --gpu``: the runs, the table and the verdict line (the audit is always on)."""
+    out = sys.stderr if args.json else sys.stdout
+
+    def cannot_run(why: str) -> int:
+        line = (f"selftest: FAIL: cannot run the GPU selftest here: {why}. It needs this "
+                "environment's torch with CUDA and at least one visible GPU; without a GPU, "
+                "run `mfsdp-hotfix selftest` (CPU)")
+        if args.json:
+            print(json.dumps({"verdict": "FAIL", "conclusion": line, "mode": "gpu",
+                              "cannot_run": why}))
+        print(line, file=out)
+        return SELFTEST_CANNOT_RUN
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return cannot_run("no torch in this environment")
+    from .selftest import gpu
+
+    try:
+        visible, _ = gpu.probe_cuda()
+        plan = gpu.build_plan(visible, args.gpus, args.layer, gpu.te_importable(),
+                              flavour=args.flavour, zero=args.zero, delay_ms=args.delay_ms,
+                              dtype=args.dtype, timeout_s=args.timeout)
+    except gpu.CannotRun as exc:
+        return cannot_run(str(exc))
+    results = gpu.run_gpu_selftest(plan, path=args.path, out=out, progress=sys.stderr)
+    data = gpu.to_json(plan, results)
+    if args.json:
+        print(json.dumps(data, default=str))
+    return SELFTEST_PASS if data["verdict"] == "PASS" else SELFTEST_FAIL
 
 
 def _audit(out: str, command: list[str], parser: argparse.ArgumentParser) -> int:

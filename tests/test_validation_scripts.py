@@ -25,6 +25,19 @@ def test_matrix_plans_every_release_without_a_gpu() -> None:
         assert f"|{delay}" in out
 
 
+def test_core_gpt_plans_every_release_and_model_without_a_gpu() -> None:
+    out = script("validation/core_gpt.py", "--dry").stdout
+    for release in ("core-0.18.2", "core-0.19.2"):
+        assert f"{release}|dense|probe-no-apex-stub" in out
+        for model in ("dense", "moe"):
+            for variant in ("shipped", "hotfix"):
+                assert f"{release}|{model}|{variant}|serialized" in out
+                assert f"{release}|{model}|{variant}|d0" in out
+                assert f"{release}|{model}|{variant}|d20" in out
+        assert f"{release}|moe-opfuser|hotfix|d20" in out
+    assert '"CUDA_LAUNCH_BLOCKING": "1"' in out
+
+
 def assert_documented(report_script: str, at_least: int) -> None:
     """Every table row ``report_script`` prints from the raw JSON is in docs/VALIDATION.md."""
     tables = [line for line in script(report_script).stdout.splitlines() if line.startswith("|")]

@@ -1,33 +1,654 @@
 #!/usr/bin/env python3
-"""One GPU validation case of Megatron-FSDP's gradient double buffer, in its own process.
+"""GPU validation cases of Megatron-FSDP's gradient double buffer, many per process.
 
-A model of identical FSDP units (two bias-free Linears with TE-style fused wgrad accumulation,
-optionally a LayerNorm at the end of each unit whose params take the ordinary autograd path) is
-wrapped in ``MegatronFSDP`` on a fake process group of world size 2 (one GPU), trained for
-``--steps`` steps of ``--microbatches`` microbatches with no optimizer step (weights stay fixed,
-inputs change per step), and the local gradient shard is read after every ``finish_grad_sync()``.
+``run_case(spec) -> dict`` builds a fresh model of FSDP units, wraps it in ``MegatronFSDP`` on a
+fake process group of world size 2 (one GPU; the group and its mesh are made once per process),
+trains it for ``steps`` steps of ``microbatches`` microbatches (optionally with a real optimizer
+step on Megatron-FSDP's sharded parameters), and returns the gradients of every step, the losses
+and the final parameters, compared bit for bit with a saved serialized run of the same case.
 
-Writes one JSON file (``--out``): crash or not, max |grad - truth| and relative L2 error over all
-steps against ``--truth`` (a file written by a ``--save-grads`` run, normally the same
-configuration under ``CUDA_LAUNCH_BLOCKING=1``), peak memory, step time from CUDA events.
+What is per process, because it is fixed at import or CUDA initialisation: the release (its
+folder on ``PYTHONPATH``, the import path ``pkg``), the hotfix (``fix="hotfix"`` imports
+``mfsdp_hotfix`` before Megatron; ``MFSDP_HOTFIX=0`` keeps it off, ``MFSDP_HOTFIX_AUDIT`` arms the
+audit), ``CUDA_LAUNCH_BLOCKING=1`` (the serialized truth), ``TORCH_CUDA_SANITIZER=1``, the fake
+group's work semantics (``pg``) and TransformerEngine. A case that crashes is recorded and the
+next case starts from a fresh model; an error that leaves the CUDA context unusable marks the
+record ``fatal`` so that the caller starts a new process.
 
-The release under test is whatever ``megatron_fsdp`` / ``megatron.core`` is first on sys.path;
-``--pkg`` says which import path to use.
+Spec keys (defaults in ``DEFAULTS``): ``pkg``, ``fix``, ``pg``, ``layer`` (``emulated`` or a
+``te-*`` family of ``te_layers``), ``fuse``, ``delay_wgrad``, ``zero`` (1/2/3), ``db`` (double
+buffer), ``hidden``, ``units`` (a list of ``{"ffn": int, "norm": bool}``, or an int with ``ffn``
+and ``norm``), ``head``, ``tokens``, ``microbatches``, ``steps``, ``warmup``, ``dtype``
+(fp32/bf16), ``optimizer`` (None/"adam"), ``faults`` (a ``schedule_faults.Schedule`` as a dict),
+``truth`` (``{"mode": "save"|"compare", "path": ...}``), ``cycles_per_ms``, ``timing``.
+
+The command line runs one case (used by run_matrix.py) and writes its record to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import hashlib
+import importlib
 import json
 import os
 import sys
 import time
 import traceback
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import schedule_faults  # noqa: E402  (no torch at import)
+
+DEFAULTS: dict[str, Any] = dict(
+    pkg="megatron_fsdp", fix="none", pg="nccl_sem", layer="emulated", fuse=True,
+    delay_wgrad=False, zero=2, db=True, hidden=512, units=4, ffn=1024, norm=False, head=False,
+    tokens=2048, microbatches=2, steps=3, warmup=0, dtype="fp32", optimizer=None, lr=1e-3,
+    faults=None, truth=None, cycles_per_ms=0.0, timing=False, read_grads=True,
+    trace_slots=False, input_seed=10_000, model_seed=1234, truth_wait_s=300.0)
+PROCESS_KEYS = ("pkg", "fix", "pg")
 
 
-def parse(argv=None):
+# ---------------------------------------------------------------------------- the process
+class Process:
+    """What one Python process sets up once: hotfix import, shims, fake group, release."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.key = {k: spec[k] for k in PROCESS_KEYS}
+        self.hotfix = None
+        if spec["fix"] == "hotfix":
+            import mfsdp_hotfix  # must come before any Megatron-FSDP import
+
+            self.hotfix = mfsdp_hotfix
+        import torch
+        import torch.distributed as dist
+
+        self.torch = torch
+        # MFSDP_VAL_CPU=1: the CPU test of this harness (tests/test_gpu_validation.py): the
+        # selftest's torch.cuda stand-in, CPU tensors; nothing races, every case must be exact
+        self.cpu = os.environ.get("MFSDP_VAL_CPU") == "1"
+        self.device = torch.device("cpu") if self.cpu else torch.device("cuda", 0)
+        if self.cpu:
+            from mfsdp_hotfix.selftest import cuda_standin
+
+            cuda_standin.install()
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            torch.cuda.set_device(0)
+        self.shims = _shims()
+        if spec["pg"] == "nccl_sem":
+            self.shims.install_nccl_semantics()
+        schedule_faults.install()  # outermost: its sleep is enqueued before the collective
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if not dist.is_initialized():
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        self.mesh = init_device_mesh(self.device.type, (2, 1), mesh_dim_names=("dp", "tp"))
+        self.mfpkg = importlib.import_module(spec["pkg"])
+        self.mfmod = importlib.import_module(spec["pkg"] + ".megatron_fsdp")
+        self.pgbmod = importlib.import_module(spec["pkg"] + ".param_and_grad_buffer")
+        self.refpatch = None
+        if spec["fix"] == "ref":
+            self.refpatch = __import__("refpatch").apply(spec["pkg"])
+        self.info = {"torch": torch.__version__,
+                     "gpu": "cpu" if self.cpu else torch.cuda.get_device_name(0),
+                     "release_file": self.mfpkg.__file__,
+                     "release_version": release_version(spec["pkg"]),
+                     "cuda_launch_blocking": os.environ.get("CUDA_LAUNCH_BLOCKING", "0"),
+                     "sanitizer": os.environ.get("TORCH_CUDA_SANITIZER", "0"),
+                     "mfsdp_hotfix_env": os.environ.get("MFSDP_HOTFIX"),
+                     "audit_env": bool(os.environ.get("MFSDP_HOTFIX_AUDIT")),
+                     "pid": os.getpid()}
+        self.classes = build_classes(torch)
+        self.te_version: str | None = None
+        self._slot_log: list[tuple[str, int, Any]] | None = None
+
+    def te(self) -> Any:
+        """TransformerEngine, imported on the first te-* case only (CI has no TE)."""
+        import te_layers
+
+        te = te_layers.import_te()
+        self.te_version = getattr(te, "__version__", "?")
+        return te
+
+    def trace_slots(self) -> list[tuple[str, int, Any]]:
+        if self._slot_log is None:
+            self._slot_log = []
+            log = self._slot_log
+            orig = self.pgbmod.FixedPoolAllocator.allocate
+
+            def allocate(pool: Any, bucket_id: int, *args: Any, **kw: Any) -> Any:
+                had = bucket_id in pool.using_buffer
+                out = orig(pool, bucket_id, *args, **kw)
+                if not had and bucket_id in pool.using_buffer:
+                    log.append((pool.name, bucket_id, pool.using_buffer[bucket_id][0]))
+                return out
+
+            self.pgbmod.FixedPoolAllocator.allocate = allocate
+        return self._slot_log
+
+
+_PROCESS: Process | None = None
+
+
+def process_for(spec: dict[str, Any]) -> Process:
+    global _PROCESS
+    if _PROCESS is None:
+        _PROCESS = Process(spec)
+    elif any(_PROCESS.key[k] != spec[k] for k in PROCESS_KEYS):
+        raise ValueError(f"this process runs {_PROCESS.key}; a case asked for "
+                         f"{ {k: spec[k] for k in PROCESS_KEYS} } (start another process)")
+    return _PROCESS
+
+
+def _shims() -> Any:
+    """The NCCL-work-semantics shim (validation/fakepg_shims.py, or its package home)."""
+    try:
+        import fakepg_shims
+
+        return fakepg_shims
+    except ImportError:
+        from mfsdp_hotfix.selftest import fakepg  # type: ignore[attr-defined]
+
+        return fakepg
+
+
+# ---------------------------------------------------------------------------- one case
+def normalise(spec: dict[str, Any]) -> dict[str, Any]:
+    s = dict(DEFAULTS)
+    s.update(spec)
+    if isinstance(s["units"], int):
+        s["units"] = [{"ffn": s["ffn"], "norm": bool(s["norm"])} for _ in range(s["units"])]
+    return s
+
+
+def run_case(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one case; never raises for a crash of the release (recorded in the result)."""
+    s = normalise(spec)
+    res: dict[str, Any] = {"id": s.get("id"), "spec": spec, "crashed": False, "error": None,
+                           "fatal": False, "t_start": time.time()}
+    proc = None
+    try:
+        proc = process_for(s)
+        res["process"] = proc.info
+        _run(proc, s, res)
+    except BaseException as e:  # a crash of the release is a result, not a harness failure
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        res["crashed"] = True
+        msg = str(e).strip().splitlines()
+        res["error_type"] = type(e).__name__
+        res["error"] = f"{type(e).__name__}: {' | '.join(msg[:3])[:600]}"
+        res["traceback"] = traceback.format_exc()[-3000:]
+        if s["truth"] and s["truth"].get("mode") == "save":
+            _write_json(s["truth"]["path"] + ".crash", {"error": res["error"]})
+    finally:
+        schedule_faults.set_schedule(None)
+        if proc is not None:
+            res["fatal"] = _cleanup(proc) or _looks_fatal(res.get("error") or "")
+    if s["truth"] and s["truth"].get("mode") == "compare" and "comparison" not in res:
+        res["comparison"] = {"outcome": "crash", "max_abs_diff": None,
+                             "truth_crashed": None}
+    res["wall_s"] = round(time.time() - res["t_start"], 3)
+    return res
+
+
+def _looks_fatal(error: str) -> bool:
+    return any(m in error for m in ("CUDA error", "AcceleratorError", "illegal memory access",
+                                    "device-side assert", "CUBLAS_STATUS", "cudaError"))
+
+
+def _cleanup(proc: Process) -> bool:
+    """Free the case's model; True when the CUDA context looks unusable."""
+    try:  # a crash inside a coalescing manager must not leave later collectives 'coalescing'
+        from torch.distributed import distributed_c10d as c10d
+
+        c10d._world.pg_coalesce_state.clear()
+    except Exception:
+        pass
+    gc.collect()
+    if proc.cpu:
+        return False
+    try:
+        proc.torch.cuda.synchronize()
+        proc.torch.cuda.empty_cache()
+        return False
+    except Exception:
+        return True
+
+
+def _run(proc: Process, s: dict[str, Any], res: dict[str, Any]) -> None:
+    torch = proc.torch
+    if s["fix"] != proc.key["fix"]:
+        raise ValueError("fix is per process")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[s["dtype"]]
+    dev = proc.device
+    audit_reset()
+
+    torch.manual_seed(s["model_seed"])
+    unit_cls, module = build_model(proc, s, dtype, dev)
+    cfg = proc.mfmod.DistributedDataParallelConfig(
+        data_parallel_sharding_strategy={1: "optim", 2: "optim_grads", 3: "optim_grads_params"}[
+            s["zero"]],
+        outer_dp_sharding_strategy="no_shard", overlap_grad_reduce=True, overlap_param_gather=True,
+        average_in_collective=False, fsdp_double_buffer=bool(s["db"]), check_for_nan_in_grad=False)
+    dist_index = proc.mfpkg.FSDPDistributedIndex(device_mesh=proc.mesh, dp_shard_dim="dp",
+                                                 tp_dim="tp")
+    model = proc.mfpkg.MegatronFSDP(module, dist_index, ddp_config=cfg,
+                                    mixed_precision_policy=proc.mfpkg.MixedPrecisionPolicy(),
+                                    fsdp_unit_modules=[unit_cls], device=dev)
+    if proc.hotfix is not None:
+        try:
+            res["hotfix_status"] = proc.hotfix.status()
+        except Exception as e:  # report, don't fail the case
+            res["hotfix_status"] = f"status() failed: {type(e).__name__}: {e}"
+    pgb = model.param_and_grad_buffer
+    res["n_buckets"] = len(pgb.parameter_groups)
+    res["double_buf_units"] = list(getattr(pgb, "double_buf_units", []) or [])
+    if s["delay_wgrad"]:
+        import te_layers
+
+        res["delay_wgrad_hooks"] = te_layers.attach_delay_wgrad_hooks(module, pgb)
+    slot_log = proc.trace_slots() if s["trace_slots"] else None
+    if slot_log is not None:
+        slot_log.clear()
+
+    opt = None
+    if s["optimizer"]:
+        opt = ShardOptimizer(torch, model, s["lr"])
+
+    faults = None
+    if s["faults"] and os.environ.get("CUDA_LAUNCH_BLOCKING", "0") != "1":
+        faults = schedule_faults.Schedule.from_dict(s["faults"], float(s["cycles_per_ms"]))
+    schedule_faults.set_schedule(faults)
+
+    grads, losses, events = [], [], []
+    gen = torch.Generator(device=dev)
+    total = s["warmup"] + s["steps"]
+    timing = s["timing"] and not proc.cpu
+    if not proc.cpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(total):
+        model.zero_grad_buffer()
+        if timing:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        for mb in range(s["microbatches"]):
+            gen.manual_seed(s["input_seed"] + 100 * step + mb)
+            x = torch.randn(s["tokens"], s["hidden"], device=dev, dtype=dtype, generator=gen,
+                            requires_grad=True)
+            loss = model(x).float().square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        model.finish_grad_sync()
+        if timing:
+            end.record()
+            if step >= s["warmup"]:
+                events.append((start, end))
+        if s["read_grads"]:
+            grads.append(torch.cat([grp.main_grad_buffer.data.detach().float().reshape(-1)
+                                    for grp in pgb.parameter_groups
+                                    if grp.main_grad_buffer is not None]).clone())
+        if opt is not None:
+            opt.step()
+    if not proc.cpu:
+        torch.cuda.synchronize()  # the only host synchronisation: no step waits for the host
+    schedule_faults.set_schedule(None)
+    run = {"grads": [g.cpu() for g in grads],
+           "losses": torch.stack(losses).cpu() if losses else torch.zeros(0),
+           "params": opt.local_params() if opt is not None else None}
+    res["steps_done"] = total
+    if not proc.cpu:
+        res["peak_mem_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    res["losses"] = [float(v) for v in run["losses"]]
+    res["digest"] = digest(run)
+    if faults is not None:
+        res["faults"] = faults.report()
+    res["shim_stats"] = dict(getattr(proc.shims, "STATS", {}))
+    if timing:
+        times = sorted(a.elapsed_time(b) for a, b in events)
+        res["step_ms_all"] = [round(a.elapsed_time(b), 3) for a, b in events]
+        if times:
+            res.update(step_ms_median=round(pct(times, 50), 3), step_ms_min=round(times[0], 3),
+                       step_ms_max=round(times[-1], 3), step_ms_p10=round(pct(times, 10), 3),
+                       step_ms_p90=round(pct(times, 90), 3))
+    for g in run["grads"]:
+        if not torch.isfinite(g).all():
+            res["nonfinite_grads"] = True
+            break
+    audit = audit_counts()
+    if audit is not None:
+        res["audit"] = audit
+    if slot_log:
+        res["slot_trace"] = summarize_slots(slot_log)
+    if proc.te_version:
+        res["te_version"] = proc.te_version
+    truth = s["truth"] or {}
+    if truth.get("mode") == "save":
+        save_truth(torch, truth["path"], run)
+        res["truth_saved"] = truth["path"]
+    elif truth.get("mode") == "compare":
+        ref = load_truth(torch, truth["path"], float(s["truth_wait_s"]))
+        if ref is None:
+            res["comparison"] = {"outcome": "crash", "max_abs_diff": None, "truth_crashed": True}
+        else:
+            res["comparison"] = compare(torch, run, ref)
+            if truth.get("delete"):
+                _remove(truth["path"])
+    del model, module, opt, grads, losses
+
+
+# ---------------------------------------------------------------------------- models
+def build_model(proc: Process, s: dict[str, Any], dtype: Any, dev: Any) -> tuple[Any, Any]:
+    torch = proc.torch
+    if s["layer"] == "emulated":
+        unit_cls, model_cls = proc.classes
+        with torch.device(dev):  # initialise on the GPU: fast, and the same for every case
+            return unit_cls, model_cls(s["units"], s["hidden"], bool(s["head"])).to(dtype)
+    import te_layers
+
+    te = proc.te()
+    return te_layers.build(torch, te, s, dtype, dev, proc.classes[1])
+
+
+def build_classes(torch: Any) -> tuple[Any, Any]:
+    """The emulated TE contract: units of two bias-free Linears with fused wgrad accumulation,
+    optionally a LayerNorm at the end (non-fused params on the ordinary autograd path)."""
+    nn = torch.nn
+    point = schedule_faults.compute_point_class(torch)
+    _dummy: dict[Any, Any] = {}
+
+    def dummy_wgrad(w: Any) -> Any:
+        key = (tuple(w.shape), w.dtype, w.device)
+        t = _dummy.get(key)
+        if t is None:
+            t = _dummy[key] = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
+        return t
+
+    class FusedWgradLinearFn(torch.autograd.Function):
+        """TE's fuse_wgrad_accumulation contract: the bound ``weight.get_main_grad`` captured at
+        FORWARD time is called lazily in backward, the wgrad GEMM writes straight into it
+        (overwrite when ``weight.overwrite_main_grad``, else accumulate), the weight is flagged
+        ``grad_added_to_main_grad`` and a dummy wgrad is returned so the post-accumulate hook fires."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, weight: Any, main_grad_func: Any) -> Any:
+            ctx.save_for_backward(x)
+            ctx.weight = weight
+            ctx.main_grad_func = main_grad_func
+            return x @ weight.t()
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            (x,) = ctx.saved_tensors
+            w = ctx.weight
+            dx = g @ w
+            main_grad = ctx.main_grad_func()
+            g2 = g.reshape(-1, g.shape[-1])
+            x2 = x.reshape(-1, x.shape[-1])
+            if getattr(w, "overwrite_main_grad", False):
+                torch.mm(g2.t(), x2, out=main_grad)
+            else:
+                main_grad.addmm_(g2.t(), x2)
+            w.grad_added_to_main_grad = True
+            return dx, dummy_wgrad(w), None
+
+    class FusedLinear(nn.Module):
+        def __init__(self, fan_in: int, fan_out: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(fan_out, fan_in) / fan_in ** 0.5)
+
+        def forward(self, x: Any) -> Any:
+            w = self.weight
+            getter = getattr(w, "get_main_grad", None)
+            if getter is None:
+                return x @ w.t()
+            return FusedWgradLinearFn.apply(x, w, getter)
+
+    class Unit(nn.Module):
+        def __init__(self, h: int, f: int, norm: bool, index: int = 0) -> None:
+            super().__init__()
+            self.index = index
+            self.fc1 = FusedLinear(h, f)
+            self.fc2 = FusedLinear(f, h)
+            self.norm = nn.LayerNorm(h) if norm else None
+
+        def forward(self, x: Any) -> Any:
+            x = point.apply(x, self.index)  # compute-stream fault point (fwd and bwd)
+            y = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+            if self.norm is not None:
+                y = self.norm(y)
+            return x + y
+
+    class Model(nn.Module):
+        """Units in order, then an optional plain Linear head outside the units. ``units`` is a
+        list of ``{"ffn", "norm"}`` dicts (or, with ``unit_factory``, whatever it takes)."""
+
+        def __init__(self, units: list[dict[str, Any]], h: int, head: bool,
+                     unit_factory: Any = None) -> None:
+            super().__init__()
+            make = unit_factory or (lambda i, u: Unit(h, int(u["ffn"]), bool(u["norm"]), i))
+            self.units = nn.ModuleList(make(i, u) for i, u in enumerate(units))
+            self.head = nn.Linear(h, h, bias=False) if head else None
+
+        def forward(self, x: Any) -> Any:
+            for u in self.units:
+                x = u(x)
+            if self.head is not None:
+                x = self.head(x)
+            return x
+
+    return Unit, Model
+
+
+class ShardOptimizer:
+    """A real optimizer step on Megatron-FSDP's sharded parameters, as every release supports it:
+    ``finish_grad_sync()`` attaches the reduced gradient shards to the distributed optimizer
+    parameters (``model.parameters()`` after construction), ``torch.optim.Adam`` updates their
+    local shards, ``install_optimized_model_weights()`` copies them into the model weights.
+    Adam runs on the local tensors so that no DTensor dispatch (and no collective) is involved."""
+
+    def __init__(self, torch: Any, model: Any, lr: float) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.local = [_local(p).detach() for p in self.params]
+        self.opt = torch.optim.Adam(self.local, lr=lr, foreach=False)
+
+    def step(self) -> None:
+        for p, loc in zip(self.params, self.local, strict=False):
+            g = p.grad
+            loc.grad = None if g is None else _local(g).detach().view_as(loc)
+        self.opt.step()
+        self.model.install_optimized_model_weights()
+        for loc in self.local:
+            loc.grad = None
+
+    def local_params(self) -> Any:
+        import torch
+
+        return torch.cat([loc.detach().float().reshape(-1).cpu() for loc in self.local])
+
+
+def _local(t: Any) -> Any:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+# ---------------------------------------------------------------------------- truth & compare
+def save_truth(torch: Any, path: str, run: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save(run, tmp)
+    os.replace(tmp, path)
+
+
+def load_truth(torch: Any, path: str, wait_s: float) -> dict[str, Any] | None:
+    """The serialized run's record (waiting for it while it is being computed); None: it
+    crashed, or never came."""
+    deadline = time.time() + wait_s
+    while not os.path.exists(path):
+        if os.path.exists(path + ".crash") or time.time() > deadline:
+            return None
+        time.sleep(0.2)
+    ref = torch.load(path, map_location="cpu")
+    if isinstance(ref, list):  # a grads-only file
+        ref = {"grads": ref, "losses": None, "params": None}
+    return ref
+
+
+def _bits(t: Any) -> Any:
+    import torch
+
+    t = t.float().contiguous()
+    return t.view(torch.int32)
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and bool(
+        (_bits(a) == _bits(b)).all())
+
+
+def compare(torch: Any, run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """exact: every step's gradients, every loss and the final parameters have the same bits as
+    the serialized run's; wrong otherwise. max_abs_diff / rel_l2 over the gradients of all steps
+    (and, when present, the final parameters)."""
+    max_abs, diff_sq, ref_sq, first_bad = 0.0, 0.0, 0.0, None
+    exact = len(run["grads"]) == len(ref["grads"])
+    for step, (g, t) in enumerate(zip(run["grads"], ref["grads"], strict=False)):
+        if g.shape != t.shape:
+            raise RuntimeError(f"truth shape {tuple(t.shape)} != grads {tuple(g.shape)}")
+        if not same_bits(g, t):
+            exact = False
+            first_bad = step if first_bad is None else first_bad
+        d = (g.double() - t.double())
+        max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
+        diff_sq += float(d.square().sum())
+        ref_sq += float(t.double().square().sum())
+    out: dict[str, Any] = {"steps_compared": min(len(run["grads"]), len(ref["grads"])),
+                           "first_bad_step": first_bad}
+    if ref.get("losses") is not None and run.get("losses") is not None:
+        out["losses_exact"] = same_bits(run["losses"], ref["losses"])
+        exact = exact and out["losses_exact"]
+    if ref.get("params") is not None and run.get("params") is not None:
+        out["params_exact"] = same_bits(run["params"], ref["params"])
+        exact = exact and out["params_exact"]
+        d = run["params"].double() - ref["params"].double()
+        out["params_max_abs_diff"] = float(d.abs().max()) if d.numel() else 0.0
+    if max_abs != max_abs:  # NaN
+        exact = False
+    out["outcome"] = "exact" if exact else "wrong"
+    out["max_abs_diff"] = max_abs
+    out["rel_l2"] = (diff_sq ** 0.5) / (ref_sq ** 0.5) if ref_sq > 0 else (
+        0.0 if diff_sq == 0 else float("inf"))
+    return out
+
+
+def digest(run: dict[str, Any]) -> str:
+    """A hash of the bits of every gradient, loss and parameter (truth runs of two variants of
+    the same case can be compared without keeping their tensors)."""
+    h = hashlib.sha256()
+    for t in [*run["grads"], run["losses"], run["params"]]:
+        if t is not None:
+            h.update(_bits(t).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _write_json(path: str, data: Any) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, default=str)
+
+
+# ---------------------------------------------------------------------------- audit
+def _audit_obj() -> Any:
+    mod = sys.modules.get("mfsdp_hotfix.audit")
+    return getattr(mod, "_audit", None) if mod is not None else None
+
+
+def audit_reset() -> None:
+    """Start the audit's counts afresh for this case (its rule state is per process)."""
+    audit = _audit_obj()
+    if audit is None:
+        return
+    audit.steps = 0
+    for copy in audit.copies.values():
+        rule = copy.rule
+        if rule is None:
+            continue
+        rule.reuses = rule.unseen = rule.unordered_count = 0
+        rule.unordered.clear()
+        rule.crash = None
+        rule._bucket_rs.clear()
+        rule._slot_reader.clear()
+
+
+def audit_counts() -> dict[str, Any] | None:
+    mod = sys.modules.get("mfsdp_hotfix.audit")
+    snap = mod.snapshot() if mod is not None else None
+    if snap is None:
+        return None
+    copies = [c for c in snap.get("copies", []) if c.get("audited") or c.get("note")]
+    crash = next((c["crash"] for c in copies if c.get("crashed")), None)
+    return {"audit": snap.get("audit"), "reuses": sum(c.get("reuses", 0) for c in copies),
+            "unordered": sum(c.get("unordered", 0) for c in copies),
+            "unseen": sum(c.get("unseen", 0) for c in copies), "crash": crash,
+            "fixes": sorted({f for c in copies for f in c.get("fixes", [])}),
+            "first_unordered": next((c.get("first_unordered") for c in copies
+                                     if c.get("first_unordered")), None)}
+
+
+# ---------------------------------------------------------------------------- small helpers
+def pct(sorted_vals: list[float], q: float) -> float:
+    if len(sorted_vals) == 1:
+        return sorted_vals[0]
+    k = (len(sorted_vals) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (k - lo)
+
+
+def summarize_slots(log: list[tuple[str, int, Any]]) -> dict[str, Any]:
+    """Per allocator: how often a bucket's new allocation lands in a different pool slot than its
+    previous allocation (0.6.x pins each bucket to one slot; earlier releases take the first idle)."""
+    out: dict[str, Any] = {}
+    last: dict[Any, Any] = {}
+    for name, bucket, slot in log:
+        o = out.setdefault(name, {"allocations": 0, "slot_changed": 0, "first": []})
+        o["allocations"] += 1
+        key = (name, bucket)
+        if key in last and last[key] != slot:
+            o["slot_changed"] += 1
+        last[key] = slot
+        if len(o["first"]) < 24:
+            o["first"].append([bucket, slot])
+    return out
+
+
+def release_version(pkg: str) -> str:
+    from importlib import metadata
+
+    dist_name = "megatron-fsdp" if pkg == "megatron_fsdp" else "megatron-core"
+    try:
+        return f"{dist_name} {metadata.version(dist_name)}"
+    except Exception:
+        return f"{dist_name} ?"
+
+
+# ---------------------------------------------------------------------------- command line
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--pkg", required=True,
                    help="megatron_fsdp | megatron.core.distributed.fsdp.src.megatron_fsdp")
@@ -35,7 +656,7 @@ def parse(argv=None):
     p.add_argument("--db", type=int, default=1, help="fsdp_double_buffer")
     p.add_argument("--fix", default="none", choices=("none", "hotfix", "ref"),
                    help="none: as shipped; hotfix: import mfsdp_hotfix first; ref: validation/refpatch")
-    p.add_argument("--delay-ms", type=float, default=0.0)
+    p.add_argument("--delay-ms", type=float, default=0.0, help="before every reduce-scatter")
     p.add_argument("--cycles-per-ms", type=float, default=0.0)
     p.add_argument("--pg", default="fake", choices=("fake", "nccl_sem"))
     p.add_argument("--units", type=int, default=4)
@@ -53,312 +674,46 @@ def parse(argv=None):
     p.add_argument("--truth", default="")
     p.add_argument("--no-grads", action="store_true", help="perf runs: do not read grads back")
     p.add_argument("--defer-readback", action="store_true",
-                   help="keep each step's grads on the GPU and copy them to the host only after "
-                        "the last step (no host synchronisation between steps)")
+                   help="accepted for compatibility: grads are always read back after the last step")
     p.add_argument("--trace-slots", action="store_true")
     p.add_argument("--out", required=True)
     p.add_argument("--label", default="")
     return p.parse_args(argv)
 
 
-def main(argv=None):
+def spec_from_args(a: argparse.Namespace) -> dict[str, Any]:
+    truth = None
+    if a.save_grads:
+        truth = {"mode": "save", "path": a.save_grads}
+    elif a.truth:
+        truth = {"mode": "compare", "path": a.truth}
+    return dict(id=a.label, pkg=a.pkg, fix=a.fix, pg=a.pg, zero=a.zero, db=bool(a.db),
+                hidden=a.hidden, units=a.units, ffn=a.ffn, norm=bool(a.norm), head=bool(a.head),
+                tokens=a.tokens, dtype=a.dtype, steps=a.steps, warmup=a.warmup,
+                microbatches=a.microbatches, cycles_per_ms=a.cycles_per_ms, timing=True,
+                read_grads=not a.no_grads, trace_slots=a.trace_slots, truth=truth, truth_wait_s=0,
+                faults={"seed": 0, "rs": {"fixed_ms": a.delay_ms}} if a.delay_ms > 0 else None)
+
+
+def main(argv: list[str] | None = None) -> None:
     a = parse(argv)
-    res = {"label": a.label, "args": vars(a), "crashed": False, "error": None,
-           "cuda_launch_blocking": os.environ.get("CUDA_LAUNCH_BLOCKING", "0"),
-           "t_start": time.time()}
-    try:
-        run(a, res)
-    except BaseException as e:  # a crash of the release is a result, not a harness failure
-        res["crashed"] = True
-        msg = str(e).strip().splitlines()
-        res["error"] = f"{type(e).__name__}: {' | '.join(msg[:3])[:600]}"
-        res["traceback"] = traceback.format_exc()[-3000:]
-    res["wall_s"] = round(time.time() - res["t_start"], 2)
+    res = run_case(spec_from_args(a))
+    res["label"] = a.label
+    res["args"] = vars(a)
+    res["cuda_launch_blocking"] = os.environ.get("CUDA_LAUNCH_BLOCKING", "0")
+    cmp_ = res.get("comparison") or {}
+    if cmp_.get("outcome") in ("exact", "wrong"):
+        res["max_abs"] = cmp_["max_abs_diff"]
+        res["rel_l2"] = cmp_["rel_l2"]
+        res["first_bad_step"] = cmp_["first_bad_step"]
+    if a.save_grads and not res["crashed"]:
+        res["saved_grads"] = a.save_grads
+    for k, v in (res.get("process") or {}).items():
+        res.setdefault(k, v)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
     print(json.dumps({k: res.get(k) for k in ("label", "crashed", "error", "rel_l2", "max_abs",
                                               "step_ms_median", "peak_mem_mb")}, default=str))
-
-
-def run(a, res):
-    hotfix = None
-    if a.fix == "hotfix":
-        import mfsdp_hotfix as hotfix  # must come before any Megatron-FSDP import
-    import torch
-    import torch.distributed as dist
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.cuda.set_device(0)
-    res["torch"] = torch.__version__
-    res["gpu"] = torch.cuda.get_device_name(0)
-
-    sys.path.insert(0, HERE)
-    import fakepg_shims as shims
-
-    if a.pg == "nccl_sem":
-        shims.install_nccl_semantics()
-    cycles = int(round(a.delay_ms * a.cycles_per_ms))
-    res["delay_cycles"] = cycles
-    shims.install_rs_delay(cycles)
-
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    mesh = init_device_mesh("cuda", (2, 1), mesh_dim_names=("dp", "tp"))
-
-    import importlib
-    mfpkg = importlib.import_module(a.pkg)
-    mfmod = importlib.import_module(a.pkg + ".megatron_fsdp")
-    pgbmod = importlib.import_module(a.pkg + ".param_and_grad_buffer")
-    res["release_file"] = mfpkg.__file__
-    res["release_version"] = release_version(a.pkg)
-    if a.fix == "ref":
-        res["refpatch"] = __import__("refpatch").apply(a.pkg)
-
-    slot_log = []
-    if a.trace_slots:
-        orig_alloc = pgbmod.FixedPoolAllocator.allocate
-
-        def allocate(self, bucket_id, *args, **kw):
-            had = bucket_id in self.using_buffer
-            out = orig_alloc(self, bucket_id, *args, **kw)
-            if not had and bucket_id in self.using_buffer:
-                slot_log.append((self.name, bucket_id, self.using_buffer[bucket_id][0]))
-            return out
-
-        pgbmod.FixedPoolAllocator.allocate = allocate
-
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
-    dev = torch.device("cuda", 0)
-    Unit, Model = build_classes(torch)
-    torch.manual_seed(1234)
-    with torch.device(dev):  # initialise on the GPU: fast, and the same for every case
-        module = Model(a.units, a.hidden, a.ffn, bool(a.norm), bool(a.head)).to(dtype)
-
-    DDPConfig = mfmod.DistributedDataParallelConfig
-    strategy = {1: "optim", 2: "optim_grads", 3: "optim_grads_params"}[a.zero]
-    cfg = DDPConfig(data_parallel_sharding_strategy=strategy, outer_dp_sharding_strategy="no_shard",
-                    overlap_grad_reduce=True, overlap_param_gather=True,
-                    average_in_collective=False, fsdp_double_buffer=bool(a.db),
-                    check_for_nan_in_grad=False)
-    dist_index = mfpkg.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp")
-    model = mfpkg.MegatronFSDP(module, dist_index, ddp_config=cfg,
-                               mixed_precision_policy=mfpkg.MixedPrecisionPolicy(),
-                               fsdp_unit_modules=[Unit], device=dev)
-    if hotfix is not None:
-        try:
-            res["hotfix_status"] = hotfix.status()
-        except Exception as e:  # report, don't fail the case
-            res["hotfix_status"] = f"status() failed: {type(e).__name__}: {e}"
-    pgb = model.param_and_grad_buffer
-    res["n_buckets"] = len(pgb.parameter_groups)
-    res["double_buf_units"] = list(getattr(pgb, "double_buf_units", []) or [])
-
-    truth = None
-    if a.truth:
-        truth = torch.load(a.truth, map_location="cpu")
-    saved = []
-    err_max, diff_sq, ref_sq, steps_compared = 0.0, 0.0, 0.0, 0
-    first_bad_step = None
-
-    def take(step, g):
-        """Keep (when asked) and compare one step's grads, read back to the host."""
-        nonlocal err_max, diff_sq, ref_sq, steps_compared, first_bad_step
-        g = g.cpu()
-        if a.save_grads:
-            saved.append(g)
-        if truth is not None:
-            t = truth[step]
-            if t.shape != g.shape:
-                raise RuntimeError(f"truth shape {tuple(t.shape)} != grads {tuple(g.shape)}")
-            d = (g - t)
-            m = d.abs().max().item()
-            if m != 0.0 and first_bad_step is None:
-                first_bad_step = step
-            err_max = max(err_max, m)
-            diff_sq += float(d.double().square().sum())
-            ref_sq += float(t.double().square().sum())
-            steps_compared += 1
-        return g
-    events = []
-    gen = torch.Generator(device=dev)
-
-    total = a.warmup + a.steps
-    for step in range(total):
-        if step == a.warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        model.zero_grad_buffer()
-        start.record()
-        for mb in range(a.microbatches):
-            gen.manual_seed(10_000 + 100 * step + mb)
-            x = torch.randn(a.tokens, a.hidden, device=dev, dtype=dtype, generator=gen,
-                            requires_grad=True)
-            out = model(x)
-            loss = out.float().square().mean()
-            loss.backward()
-        model.finish_grad_sync()
-        end.record()
-        if step >= a.warmup:
-            events.append((start, end))
-        if not a.no_grads:
-            g = torch.cat([grp.main_grad_buffer.data.detach().float().reshape(-1)
-                           for grp in pgb.parameter_groups if grp.main_grad_buffer is not None])
-            if a.defer_readback:
-                saved.append(g.clone())
-                continue
-            g = take(step, g)
-            if not torch.isfinite(g).all():
-                res["nonfinite_grads_step"] = step
-    torch.cuda.synchronize()
-    if a.defer_readback and not a.no_grads:
-        gpu_grads, saved = saved, []
-        for step, g in enumerate(gpu_grads):
-            take(step, g)
-    res["steps_done"] = total
-    res["peak_mem_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    res["peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
-    times = sorted(s.elapsed_time(e) for s, e in events)
-    res["step_ms_all"] = [round(s.elapsed_time(e), 3) for s, e in events]
-    if times:
-        res["step_ms_median"] = round(pct(times, 50), 3)
-        res["step_ms_min"] = round(times[0], 3)
-        res["step_ms_max"] = round(times[-1], 3)
-        res["step_ms_p10"] = round(pct(times, 10), 3)
-        res["step_ms_p90"] = round(pct(times, 90), 3)
-    if a.save_grads:
-        torch.save(saved, a.save_grads)
-        res["saved_grads"] = a.save_grads
-        res["grad_numel"] = int(saved[0].numel()) if saved else 0
-    if truth is not None:
-        res["steps_compared"] = steps_compared
-        res["max_abs"] = err_max
-        res["rel_l2"] = (diff_sq ** 0.5) / (ref_sq ** 0.5) if ref_sq > 0 else None
-        res["first_bad_step"] = first_bad_step
-    res["shim_stats"] = dict(shims.STATS)
-    audit = sys.modules.get("mfsdp_hotfix.audit")  # MFSDP_HOTFIX_AUDIT set for this case
-    if audit is not None:
-        res["audit"] = audit.snapshot()
-    if slot_log:
-        res["slot_trace"] = summarize_slots(slot_log)
-
-
-def pct(sorted_vals, q):
-    if len(sorted_vals) == 1:
-        return sorted_vals[0]
-    k = (len(sorted_vals) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_vals) - 1)
-    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (k - lo)
-
-
-def summarize_slots(log):
-    """Per allocator: how often a bucket's new allocation lands in a different pool slot than its
-    previous allocation (0.6.x pins each bucket to one slot; earlier releases take the first idle)."""
-    out = {}
-    last = {}
-    for name, bucket, slot in log:
-        o = out.setdefault(name, {"allocations": 0, "slot_changed": 0, "first": []})
-        o["allocations"] += 1
-        key = (name, bucket)
-        if key in last and last[key] != slot:
-            o["slot_changed"] += 1
-        last[key] = slot
-        if len(o["first"]) < 24:
-            o["first"].append([bucket, slot])
-    return out
-
-
-def release_version(pkg):
-    from importlib import metadata
-    dist_name = "megatron-fsdp" if pkg == "megatron_fsdp" else "megatron-core"
-    try:
-        return f"{dist_name} {metadata.version(dist_name)}"
-    except Exception:
-        return f"{dist_name} ?"
-
-
-def build_classes(torch):
-    nn = torch.nn
-    _dummy = {}
-
-    def dummy_wgrad(w):
-        key = (tuple(w.shape), w.dtype, w.device)
-        t = _dummy.get(key)
-        if t is None:
-            t = _dummy[key] = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
-        return t
-
-    class FusedWgradLinearFn(torch.autograd.Function):
-        """TE's fuse_wgrad_accumulation contract: the bound ``weight.get_main_grad`` captured at
-        FORWARD time is called lazily in backward, the wgrad GEMM writes straight into it
-        (overwrite when ``weight.overwrite_main_grad``, else accumulate), the weight is flagged
-        ``grad_added_to_main_grad`` and a dummy wgrad is returned so the post-accumulate hook fires."""
-
-        @staticmethod
-        def forward(ctx, x, weight, main_grad_func):
-            ctx.save_for_backward(x)
-            ctx.weight = weight
-            ctx.main_grad_func = main_grad_func
-            return x @ weight.t()
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            w = ctx.weight
-            dx = g @ w
-            main_grad = ctx.main_grad_func()
-            g2 = g.reshape(-1, g.shape[-1])
-            x2 = x.reshape(-1, x.shape[-1])
-            if getattr(w, "overwrite_main_grad", False):
-                torch.mm(g2.t(), x2, out=main_grad)
-            else:
-                main_grad.addmm_(g2.t(), x2)
-            w.grad_added_to_main_grad = True
-            return dx, dummy_wgrad(w), None
-
-    class FusedLinear(nn.Module):
-        def __init__(self, fan_in, fan_out):
-            super().__init__()
-            self.weight = nn.Parameter(torch.randn(fan_out, fan_in) / fan_in ** 0.5)
-
-        def forward(self, x):
-            w = self.weight
-            getter = getattr(w, "get_main_grad", None)
-            if getter is None:
-                return x @ w.t()
-            return FusedWgradLinearFn.apply(x, w, getter)
-
-    class Unit(nn.Module):
-        def __init__(self, h, f, norm):
-            super().__init__()
-            self.fc1 = FusedLinear(h, f)
-            self.fc2 = FusedLinear(f, h)
-            self.norm = nn.LayerNorm(h) if norm else None
-
-        def forward(self, x):
-            y = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-            if self.norm is not None:
-                y = self.norm(y)
-            return x + y
-
-    class Model(nn.Module):
-        def __init__(self, n, h, f, norm, head):
-            super().__init__()
-            self.units = nn.ModuleList(Unit(h, f, norm) for _ in range(n))
-            self.head = nn.Linear(h, h, bias=False) if head else None
-
-        def forward(self, x):
-            for u in self.units:
-                x = u(x)
-            if self.head is not None:
-                x = self.head(x)
-            return x
-
-    return Unit, Model
 
 
 if __name__ == "__main__":

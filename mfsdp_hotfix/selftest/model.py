@@ -148,9 +148,11 @@ class Stack(torch.nn.Module):
     out of 4 parameters that are ready ... but the pipeline is being reset").
     """
 
-    def __init__(self, hidden: int, units: int, linear: str = "emulated") -> None:
+    def __init__(self, hidden: int, units: int, linear: str = "emulated",
+                 unit: Callable[[], torch.nn.Module] | None = None) -> None:
         super().__init__()
-        self.units = torch.nn.ModuleList(Unit(hidden, linear) for _ in range(units))
+        make = unit if unit is not None else (lambda: Unit(hidden, linear))
+        self.units = torch.nn.ModuleList(make() for _ in range(units))
         self.head = torch.nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,6 +179,68 @@ def build(hidden: int, units: int, seed: int, linear: str = "emulated",
     finally:
         torch.random.set_rng_state(gen_state)
     return model.to(dtype)
+
+
+class TeLinearUnit(torch.nn.Module):
+    """:class:`Unit` with real TransformerEngine linears: ``te.Linear`` with
+    ``fuse_wgrad_accumulation=True`` takes ``weight.get_main_grad`` at forward time and calls it
+    in backward, the contract the emulated linear copies."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        import transformer_engine.pytorch as te  # type: ignore[import-not-found]
+
+        fused: dict[str, Any] = {"bias": False, "fuse_wgrad_accumulation": True,
+                                 "params_dtype": dtype, "device": device}
+        self.norm = torch.nn.LayerNorm(hidden, device=device, dtype=dtype)
+        self.fc1 = te.Linear(hidden, 2 * hidden, **fused)
+        self.fc2 = te.Linear(2 * hidden, hidden, **fused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+        return out
+
+
+class TeMlpUnit(torch.nn.Module):
+    """``x + te.LayerNormMLP(x)``: LayerNorm, fc1, GELU and fc2 in one TransformerEngine module,
+    the fc1/fc2 weights with fused wgrad accumulation, LayerNorm and biases through autograd."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        import transformer_engine.pytorch as te
+
+        self.mlp = te.LayerNormMLP(hidden, 2 * hidden, fuse_wgrad_accumulation=True,
+                                   params_dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.mlp(x)
+        return out
+
+
+GPU_LAYERS = {"te-layernorm-mlp": TeMlpUnit, "te-linear": TeLinearUnit}
+
+
+def build_on(device: torch.device, layer: str, hidden: int, units: int, seed: int,
+             dtype: torch.dtype = torch.float32) -> Stack:
+    """The selftest model on ``device``: emulated fused-wgrad units (:func:`build`), or units of
+    real TransformerEngine layers (``GPU_LAYERS``) with every parameter set from ``seed`` on the
+    CPU, so that every process starts from the same weights whatever TE's own initialisation."""
+    if layer == "emulated":
+        return build(hidden, units, seed, layer, dtype).to(device)
+    unit = GPU_LAYERS[layer]
+    model = Stack(hidden, units, unit=lambda: unit(hidden, dtype, device))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            values = torch.randn(param.shape, generator=gen)
+            if param.dim() >= 2:
+                values /= param.shape[-1] ** 0.5
+            elif name.endswith("weight"):  # a norm's scale
+                values = 1.0 + 0.1 * values
+            else:
+                values *= 0.1
+            param.copy_(values)
+    return model
 
 
 def batches(hidden: int, tokens: int, ranks: int, microbatches: int, iterations: int,

@@ -104,22 +104,27 @@ def _gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> d
     return full
 
 
-def _wrap(fully_shard: ModuleType, module: Any, unit_cls: type, spec: CaseSpec) -> Any:
-    import torch
+def wrap(fully_shard: ModuleType, module: Any, unit_cls: type, strategy: str,
+         double_buffer: bool, device: Any, per_token_loss: bool = False) -> Any:
+    """``fully_shard_model`` over all ranks of the default group, as a (ranks, 1) dp/tp mesh
+    (megatron-fsdp 0.5.x needs a registered TP submesh), with the options this release accepts."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("fsdp", "tp"))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(), 1),
+                            mesh_dim_names=("fsdp", "tp"))
     wanted: dict[str, Any] = {
         "module": module, "device_mesh": mesh, "dp_shard_dim": "fsdp", "tp_dim": "tp",
         "fsdp_unit_modules": [unit_cls],
-        "zero_dp_strategy": spec.strategy,
-        "device": torch.device("cpu"), "fsdp_double_buffer": spec.double_buffer,
+        "zero_dp_strategy": strategy,
+        "device": device, "fsdp_double_buffer": double_buffer,
         "overlap_grad_reduce": True, "overlap_param_gather": True,
-        "calculate_per_token_loss": spec.grad_reduce == "per-token",
+        "calculate_per_token_loss": per_token_loss,
     }
     accepted = inspect.signature(fully_shard.fully_shard_model).parameters
     model = fully_shard.fully_shard_model(**{k: v for k, v in wanted.items() if k in accepted})
-    # gloo has no PREMUL_SUM: scale first, then SUM (a setting, not a patch).
+    # gloo has no PREMUL_SUM: scale first, then SUM (a setting, not a patch; the GPU runs use
+    # the same, so that every backend reduces alike).
     if hasattr(model.ddp_config, "gradient_reduce_div_fusion"):
         model.ddp_config.gradient_reduce_div_fusion = False
     return model
@@ -198,7 +203,8 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
                                 spec.iterations, spec.seed + 7, dtype)
     try:
         net = model_lib.build(spec.hidden, spec.units, spec.seed, spec.linear, dtype)
-        fsdp = _wrap(fully_shard, net, model_lib.Unit, spec)
+        fsdp = wrap(fully_shard, net, model_lib.Unit, spec.strategy, spec.double_buffer,
+                    torch.device("cpu"), spec.grad_reduce == "per-token")
         if spec.hotfix == "late":
             import mfsdp_hotfix
 

@@ -1,0 +1,192 @@
+"""One process of ``selftest --gpu``: the whole fake 2-rank world on one GPU, or one NCCL rank.
+
+Run by the driver (``gpu``) as ``python -m mfsdp_hotfix.selftest.gpu_worker RUN_JSON OUT_DIR``,
+or under torchrun (one process per GPU; rank from ``RANK``/``LOCAL_RANK``), with the release
+under test importable and ``MFSDP_HOTFIX=0`` for the shipped variant (``mfsdp_hotfix`` itself is
+imported as this module's parent package, before Megatron-FSDP, as a user's ``import
+mfsdp_hotfix`` would be). Order matters: calibrate the fault, install the shims, create the
+process group, then import the release (it binds ``torch.distributed`` names at import).
+
+It trains ``steps`` x ``microbatches`` forward/backward/``finish_grad_sync`` steps without an
+optimizer step (weights fixed, inputs change per step), keeps each step's local gradient shards on
+the GPU (no host synchronisation between steps, which could hide a race) and reads them back at
+the end. A serialized run saves them (``<variant>-truth.rank<R>.pt``); an asynchronous run
+compares them, bit for bit, with that file. Writes ``OUT_DIR/<run>.rank<R>.json``; exit status 0,
+or 3 when the run crashed (torchrun then stops the other ranks).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from mfsdp_hotfix.selftest.gpu_spec import DTYPES, ZERO_STRATEGY, GpuRun
+from mfsdp_hotfix.selftest.worker import STANDALONE, VENDORED, _release_info, resolve_flavour, wrap
+
+CRASHED = 3
+
+
+def truth_file(out_dir: str, run: GpuRun, rank: int) -> Path:
+    return Path(out_dir) / f"{run.variant}-truth.rank{rank}.pt"
+
+
+def report_file(out_dir: str, run: GpuRun, rank: int) -> Path:
+    return Path(out_dir) / f"{run.key}.rank{rank}.json"
+
+
+def audit_prefix(out_dir: str, run: GpuRun) -> str:
+    """``MFSDP_HOTFIX_AUDIT`` of a run: the audit writes ``<prefix>.rank<R>.json``."""
+    return str(Path(out_dir) / f"{run.key}-audit")
+
+
+def local_grads(model: Any) -> list[Any]:
+    """This rank's gradient shards after ``finish_grad_sync``, by parameter name, cloned on the
+    GPU (a parameter whose shard is empty on this rank contributes an empty tensor)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for _, param in sorted(model.module.named_parameters()):
+        grad = param.grad
+        if grad is None:
+            out.append(torch.empty(0, device=param.device))
+            continue
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        out.append(local.detach().clone())
+    return out
+
+
+def compare(got: list[list[Any]], want: list[list[Any]]) -> dict[str, Any]:
+    """Bit-identical or not, max |difference| and squared L2 norms (float64), over all steps."""
+    import torch
+
+    if len(got) != len(want) or any(len(g) != len(w) for g, w in zip(got, want, strict=False)):
+        return {"compared": True, "exact": False, "max_abs": float("inf"),
+                "diff_sq": float("inf"), "ref_sq": 1.0, "mismatch": "different steps/params"}
+    exact, max_abs, diff_sq, ref_sq = True, 0.0, 0.0, 0.0
+    for step_got, step_want in zip(got, want, strict=True):
+        for g, w in zip(step_got, step_want, strict=True):
+            if g.shape != w.shape or g.dtype != w.dtype:
+                return {"compared": True, "exact": False, "max_abs": float("inf"),
+                        "diff_sq": float("inf"), "ref_sq": 1.0,
+                        "mismatch": f"shape {tuple(g.shape)} vs {tuple(w.shape)}"}
+            same = torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8))
+            exact = exact and same
+            if same or g.numel() == 0:
+                ref_sq += float(w.double().square().sum())
+                continue
+            diff = (g.double() - w.double())
+            worst = float(diff.abs().max())
+            max_abs = max(max_abs, worst if worst == worst else float("inf"))  # NaN: inf
+            diff_sq += float(diff.square().sum())
+            ref_sq += float(w.double().square().sum())
+    if diff_sq != diff_sq:  # NaN in the difference
+        diff_sq = float("inf")
+    return {"compared": True, "exact": exact, "max_abs": max_abs, "diff_sq": diff_sq,
+            "ref_sq": ref_sq}
+
+
+def run_rank(run: GpuRun, out_dir: str, report: dict[str, Any]) -> None:
+    flavour = resolve_flavour(run.flavour)  # before importing torch: fail fast
+    import torch
+    import torch.distributed as dist
+
+    from mfsdp_hotfix.selftest import gpu_shims
+    from mfsdp_hotfix.selftest import model as model_lib
+
+    rank = report["rank"]
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    report.update(gpu=torch.cuda.get_device_name(device), torch=torch.__version__,
+                  cuda_launch_blocking=os.environ.get("CUDA_LAUNCH_BLOCKING", "0"))
+    rate, _ = gpu_shims.measure_cycles_per_ms()
+    cycles = gpu_shims.delay_cycles(run.delay_ms, rate)
+    report.update(cycles_per_ms=rate, delay_cycles=cycles)
+    if run.fake:
+        gpu_shims.install_nccl_semantics()
+    gpu_shims.install_rs_delay(cycles)
+    if run.fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    else:
+        dist.init_process_group("nccl", timeout=timedelta(seconds=max(60.0, run.timeout_s / 2)))
+    if run.layer.startswith("te-"):
+        import transformer_engine  # type: ignore[import-not-found]
+
+        report["te_version"] = str(getattr(transformer_engine, "__version__", "unknown"))
+    package = importlib.import_module(VENDORED if flavour == "core" else STANDALONE)
+    report["release"] = _release_info(flavour, package)
+    fully_shard = importlib.import_module(package.__name__ + ".fully_shard")
+
+    dtype = getattr(torch, DTYPES[run.dtype])
+    net = model_lib.build_on(device, run.layer, run.hidden, run.units, run.seed, dtype)
+    model = wrap(fully_shard, net, type(net.units[0]), ZERO_STRATEGY[run.zero], True, device)
+    import mfsdp_hotfix
+
+    report["hotfix"] = (mfsdp_hotfix.summary() if mfsdp_hotfix.status()["hotfix"] != "off"
+                        else "mfsdp_hotfix: off (MFSDP_HOTFIX=0): the release as shipped")
+    gen = torch.Generator(device=device)
+    kept = []
+    started = time.perf_counter()
+    for step in range(run.steps):
+        model.zero_grad_buffer()
+        for micro in range(run.microbatches):
+            gen.manual_seed(run.seed + 100_000 * rank + 100 * step + micro)
+            x = torch.randn(run.tokens, run.hidden, device=device, dtype=dtype, generator=gen,
+                            requires_grad=True)
+            model(x).float().square().mean().backward()
+        model.finish_grad_sync()
+        kept.append(local_grads(model))
+    torch.cuda.synchronize()
+    report["train_s"] = time.perf_counter() - started
+    grads = [[g.cpu() for g in step] for step in kept]
+    truth = truth_file(out_dir, run, rank)
+    if run.serialized:
+        torch.save(grads, truth)
+    elif truth.exists():
+        report.update(compare(grads, torch.load(truth)))
+    report["crashed"] = False
+
+
+def main(argv: list[str]) -> int:
+    run_json, out_dir = argv
+    run = GpuRun.from_json(Path(run_json).read_text())
+    rank = 0 if run.fake else int(os.environ.get("RANK", "0"))
+    report: dict[str, Any] = {"rank": rank, "run": run.name, "crashed": True}
+    started = time.perf_counter()
+    try:
+        run_rank(run, out_dir, report)
+    except BaseException as exc:  # a crash of the release is the run's outcome
+        report["exception"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc()[-4000:]
+    shims = sys.modules.get("mfsdp_hotfix.selftest.gpu_shims")
+    if shims is not None:
+        report["rs_calls"] = shims.STATS["rs_calls"]
+        report["rs_delayed"] = shims.STATS["rs_sleeps"]
+    audit = sys.modules.get("mfsdp_hotfix.audit")
+    if audit is not None:  # MFSDP_HOTFIX_AUDIT: this process skips atexit, so finish it here
+        try:
+            audit.finish()
+        except Exception as exc:
+            report["audit_error"] = f"{type(exc).__name__}: {exc}"
+    report["worker_s"] = time.perf_counter() - started
+    import json
+
+    report_file(out_dir, run, rank).write_text(json.dumps(report, default=repr))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a peer stuck in a collective must not hang this rank.
+    os._exit(CRASHED if report["crashed"] else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

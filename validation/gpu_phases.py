@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""The GPU validation phases, in one device call (see gpu_call.sh):
+
+    python3 validation/gpu_phases.py --phases smoke|fuzz|te|long|oracles ... --out $OUT
+        [--budget-s 530] [--workers 12] [--seeds 0:100]
+
+Unpacks the carried release wheels, calibrates ``torch.cuda._sleep`` (cycles per ms), plans the
+phases' jobs and runs them with :class:`engine.Engine` (at most ``--workers`` processes on the
+GPU; fewer while TransformerEngine is being built; TE jobs wait until it is ready). Writes one
+``<phase>.json.gz`` per phase under ``--out`` (every record, the environment, the calibration;
+rewritten as records come in, so a call cut short leaves what it had) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import engine  # noqa: E402
+import fuzz  # noqa: E402
+import te_matrix  # noqa: E402
+
+ALL = list(engine.RELEASES)
+PHASES = ("smoke", "fuzz", "te", "long", "oracles")
+LONG = dict(hidden=256, units=[{"ffn": f, "norm": i == 3} for i, f in
+                               enumerate((512, 1024, 768, 512, 1024, 256))],
+            tokens=1024, microbatches=4, steps=20, optimizer="adam", lr=1e-3, dtype="fp32",
+            layer="emulated", fuse=True, db=True)
+LONG_FAULTS = {"seed": 20, "budget_ms": 1500.0, "rs": {"p": 0.4, "max_ms": 10.0},
+               "ag": {"p": 0.2, "max_ms": 5.0}, "compute": {"p": 0.3, "max_ms": 5.0},
+               "compute_units": [0, 2, 4], "compute_phases": ["fwd", "bwd"]}
+
+
+def unpack(wheel_dir: str) -> dict[str, str]:
+    paths = {}
+    for name, (pattern, _) in engine.RELEASES.items():
+        found = sorted(glob.glob(os.path.join(wheel_dir, pattern)))
+        if not found:
+            continue
+        dest = os.path.join(engine.WORK, "rel", name)
+        if not os.path.exists(os.path.join(dest, ".done")):
+            os.makedirs(dest, exist_ok=True)
+            with zipfile.ZipFile(found[0]) as z:
+                z.extractall(dest)
+            open(os.path.join(dest, ".done"), "w").close()
+        paths[name] = dest
+    return paths
+
+
+def calibrate() -> dict[str, Any]:
+    """Cycles of ``torch.cuda._sleep`` per millisecond, measured with CUDA events (in a child
+    process, so that this driver holds no CUDA context)."""
+    code = ("import torch,json\ntorch.cuda.init()\nres=[]\n"
+            "for n in (1_000_000, 10_000_000, 50_000_000):\n"
+            "  for _ in range(3):\n"
+            "    s,e=torch.cuda.Event(enable_timing=True),torch.cuda.Event(enable_timing=True)\n"
+            "    s.record(); torch.cuda._sleep(n); e.record(); torch.cuda.synchronize()\n"
+            "    res.append((n, s.elapsed_time(e)))\n"
+            "big=sorted(n/ms for n,ms in res if n==50_000_000)\n"
+            "print(json.dumps({'cycles_per_ms': big[len(big)//2], 'samples': res,"
+            " 'gpu': torch.cuda.get_device_name(0), 'torch': torch.__version__}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except Exception as e:
+        raise SystemExit(f"calibration failed: {e}: {r.stdout[-500:]} {r.stderr[-2000:]}") from None
+
+
+def long_jobs(releases: list[str], zeros: tuple[int, ...] = (2, 3), phase: str = "long"
+              ) -> list[dict[str, Any]]:
+    """20 optimizer steps x 4 microbatches, per release, variant and ZeRO: one serialized truth,
+    then the run without and with the fault (both compared with it)."""
+    jobs = []
+    for release in releases:
+        for variant in ("shipped", "hotfix"):
+            truths, runs = [], []
+            for zero in zeros:
+                key = f"{release}|long|z{zero}"
+                path = fuzz.truth_path(phase, release, variant, key.replace("|", "_"))
+                base = dict(LONG, zero=zero, phase=phase, row=key)
+                truths.append(dict(base, id=f"{key}|{variant}|serialized",
+                                   truth={"mode": "save", "path": path}))
+                for fault in (False, True):
+                    runs.append(dict(base, id=f"{key}|{variant}|{'fault' if fault else 'nofault'}",
+                                     fault=fault, faults=LONG_FAULTS if fault else None,
+                                     truth={"mode": "compare", "path": path}))
+            jobs.append(engine.job(f"{phase}/{release}/{variant}/serialized", release, variant,
+                                   truths, serialized=True))
+            jobs.append(engine.job(f"{phase}/{release}/{variant}", release, variant, runs))
+    return jobs
+
+
+def oracle_jobs(releases: list[str], seeds: list[int], te: bool, phase: str = "oracles"
+                ) -> list[dict[str, Any]]:
+    """For a sample of fuzz seeds: the audit (shipped = hotfix imported with MFSDP_HOTFIX=0)
+    with its gradients compared to a serialized run, and PyTorch's CUDA stream sanitizer."""
+    jobs = []
+    for release in releases:
+        for variant, audit_v, truth_v in (("shipped", "shipped-audit", "shipped-off"),
+                                          ("hotfix", "hotfix-audit", "hotfix")):
+            for is_te in (False, True):
+                if is_te and not te:
+                    continue
+                picked = [s for s in seeds if (fuzz.draw(s)["layer"] != "emulated") == is_te]
+                if not picked:
+                    continue
+                truths, runs, sans = [], [], []
+                for seed in picked:
+                    spec = dict(fuzz.draw(seed), seed=seed, phase=phase, oracle_variant=variant)
+                    path = fuzz.truth_path(phase, release, variant, f"s{seed}")
+                    truths.append(dict(spec, id=f"{release}|s{seed}|{variant}|serialized",
+                                       truth={"mode": "save", "path": path}))
+                    runs.append(dict(spec, id=f"{release}|s{seed}|{variant}|audit", oracle="audit",
+                                     truth={"mode": "compare", "path": path, "delete": True}))
+                    sans.append(dict(spec, id=f"{release}|s{seed}|{variant}|sanitizer",
+                                     oracle="sanitizer", read_grads=True))
+                tag = f"{phase}/{release}/{variant}/{'te' if is_te else 'emu'}"
+                jobs.append(engine.job(tag + "/serialized", release, truth_v, truths,
+                                       serialized=True, te=is_te))
+                jobs.append(engine.job(tag + "/audit", release, audit_v, runs, te=is_te))
+                jobs.append(engine.job(tag + "/sanitizer", release, variant, sans, te=is_te,
+                                       sanitizer=True))
+    return jobs
+
+
+def smoke_jobs(te: bool, releases: list[str]) -> list[dict[str, Any]]:
+    """A few fuzz seeds per era, one long run, one audit + sanitizer seed, one TE case per
+    layer family (and delayed wgrad), ZeRO-3, 20 ms reduce-scatter delay."""
+    one = "fsdp-0.5.1" if "fsdp-0.5.1" in releases else releases[0]
+    jobs = fuzz.plan(releases, [0, 1, 2], te_available=False, phase="smoke-fuzz", block=3)
+    jobs += long_jobs([one], zeros=(3,), phase="smoke-long")
+    jobs += oracle_jobs([one], [fuzz_emulated_seed()], te=False, phase="smoke-oracles")
+    if te:
+        layers = [("te-linear", True, False), ("te-layernorm-linear", True, False),
+                  ("te-layernorm-mlp", False, False), ("te-grouped-linear", True, False),
+                  ("te-linear", True, True)]
+        jobs += te_matrix.plan([one], layers=layers, zeros=(3,), dtypes=("fp32",),
+                               delays=(20,), phase="smoke-te", per_job=10)
+    return jobs
+
+
+def fuzz_emulated_seed() -> int:
+    return next(s for s in range(1000) if fuzz.draw(s)["layer"] == "emulated")
+
+
+def phase_jobs(phase: str, a: argparse.Namespace, te: bool) -> list[dict[str, Any]]:
+    releases = a.releases.split(",") if a.releases else ALL
+    lo, hi = (int(x) for x in a.seeds.split(":"))
+    if phase == "smoke":
+        return smoke_jobs(te, releases)
+    if phase == "fuzz":
+        return fuzz.plan(releases, list(range(lo, hi)), te_available=te, block=a.block)
+    if phase == "te":
+        return te_matrix.plan(releases, layers=te_matrix.LAYERS[:a.te_layers])
+    if phase == "long":
+        return long_jobs(releases)
+    if phase == "oracles":
+        return oracle_jobs(releases, list(range(lo, lo + a.oracle_seeds)), te)
+    raise SystemExit(f"unknown phase {phase}")
+
+
+def shrink(jobs: list[dict[str, Any]]) -> None:
+    """--tiny: the same plan at a size a CPU runs in seconds."""
+    for j in jobs:
+        for s in j["specs"]:
+            s.update(hidden=32, tokens=32, steps=min(int(s.get("steps", 3)), 3))
+            if isinstance(s.get("units"), list):
+                s["units"] = [dict(u, ffn=max(16, int(u["ffn"]) // 16)) for u in s["units"]]
+            else:
+                s["ffn"] = max(16, int(s.get("ffn", 1024)) // 16)
+
+
+class Output:
+    """One gzip'd JSON per phase, rewritten (at most every 20 s) as records come in."""
+
+    def __init__(self, out: str, phase: str, meta: dict[str, Any]) -> None:
+        self.path = os.path.join(out, f"{phase}.json.gz")
+        self.doc = dict(meta, phase=phase, records=[], complete=False)
+        self.last = 0.0
+
+    def add(self, recs: list[dict[str, Any]]) -> None:
+        self.doc["records"] += [slim(r) for r in recs]
+        if time.time() - self.last > 20:
+            self.write()
+
+    def write(self, complete: bool = False) -> None:
+        self.doc["complete"] = complete
+        self.doc["written_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+        tmp = self.path + ".tmp"
+        with gzip.open(tmp, "wt") as f:
+            json.dump(self.doc, f, default=str)
+        os.replace(tmp, self.path)
+        self.last = time.time()
+
+
+def slim(rec: dict[str, Any]) -> dict[str, Any]:
+    """Drop what makes the raw file big and says nothing (the full hotfix status per case)."""
+    r = dict(rec)
+    st = r.pop("hotfix_status", None)
+    if isinstance(st, dict):
+        r["hotfix_summary"] = {k: st.get(k) for k in ("mfsdp_hotfix", "hotfix", "failures")}
+        r["hotfix_fixes"] = [{"package": c.get("package"), "era": c.get("era"),
+                              "fixes": {name: f.get("state") for name, f in
+                                        (c.get("fixes") or {}).items()}}
+                             for c in st.get("copies", [])][:3]
+    return r
+
+
+def summarize(recs: list[dict[str, Any]]) -> str:
+    counts: dict[tuple[str, str], dict[str, int]] = {}
+    for r in recs:
+        s = r.get("spec") or {}
+        if (s.get("truth") or {}).get("mode") == "save":
+            key = ("serialized", "crash" if r.get("crashed") else
+                   ("skipped" if r.get("skipped") else "saved"))
+        elif s.get("oracle") == "sanitizer":
+            key = ("sanitizer:" + str(s.get("variant")),
+                   "race reported" if r.get("error_type") == "CUDASanitizerErrors" else
+                   ("crash" if r.get("crashed") else ("skipped" if r.get("skipped") else "clean")))
+        else:
+            v = s.get("te_variant") or s.get("oracle_variant") or s.get("variant")
+            key = (str(v), r.get("skipped") and "skipped" or
+                   (r.get("comparison") or {}).get("outcome", "crash" if r.get("crashed")
+                                                   else "?"))
+        d = counts.setdefault((key[0], ""), {})
+        d[key[1]] = d.get(key[1], 0) + 1
+    return "; ".join(f"{k[0]}: " + ", ".join(f"{n} {o}" for o, n in sorted(v.items()))
+                     for k, v in sorted(counts.items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phases", nargs="+", required=True, choices=PHASES)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/mfsdp_out"))
+    ap.add_argument("--wheels", default=os.path.join(HERE, "wheels"))
+    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--build-workers", type=int, default=4,
+                    help="workers while TransformerEngine is being built")
+    ap.add_argument("--budget-s", type=float, default=530.0,
+                    help="wall seconds for all phases, from the driver's start")
+    ap.add_argument("--seeds", default="0:100")
+    ap.add_argument("--oracle-seeds", type=int, default=6)
+    ap.add_argument("--block", type=int, default=50, help="fuzz seeds per worker process")
+    ap.add_argument("--te-layers", type=int, default=len(te_matrix.LAYERS),
+                    help="the first N layer configurations of te_matrix.LAYERS (most important "
+                         "first)")
+    ap.add_argument("--releases", default="")
+    ap.add_argument("--dry", action="store_true", help="list the jobs and exit (no GPU)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="test mode: CPU tensors and the torch.cuda stand-in, no faults, no TE")
+    ap.add_argument("--tiny", action="store_true",
+                    help="test mode: shrink every case (hidden 32, 32 tokens, ffn / 16, 3 steps)")
+    a = ap.parse_args()
+    t0 = time.time()
+    if a.dry:
+        te = True
+        for phase in a.phases:
+            jobs = phase_jobs(phase, a, te)
+            n = sum(len(j["specs"]) for j in jobs)
+            print(f"== {phase}: {len(jobs)} jobs, {n} cases")
+            for j in jobs:
+                print(f"   {j['name']}: {len(j['specs'])} cases, te={j['te']}, env={j['env']}")
+        return
+    os.makedirs(a.out, exist_ok=True)
+    rel_paths = unpack(a.wheels)
+    if a.cpu:
+        os.environ["MFSDP_VAL_CPU"] = "1"
+        cal: dict[str, Any] = {"cycles_per_ms": 0.0, "gpu": "cpu (test mode)"}
+    else:
+        cal = calibrate()
+    print(json.dumps({"calibration": cal["cycles_per_ms"], "gpu": cal.get("gpu"),
+                      "releases": sorted(rel_paths), "te": engine.te_state()}), flush=True)
+    deadline = t0 + a.budget_s
+
+    def limit() -> int:
+        return a.build_workers if engine.te_state() == "building" else a.workers
+
+    # one queue for all phases, in the order given (the order is the priority when the budget
+    # runs out); TE jobs wait while TE is being built, and later emulated jobs run meanwhile
+    te = engine.te_state() in ("ready", "building")
+    jobs, outputs, started = [], {}, time.time()
+    for phase in a.phases:
+        pj = phase_jobs(phase, a, te)
+        if a.tiny:
+            shrink(pj)
+        for j in pj:
+            j["phase"] = phase
+        jobs += pj
+        outputs[phase] = Output(a.out, phase, {
+            "calibration": cal, "te_state_at_start": engine.te_state(), "workers": a.workers,
+            "argv": sys.argv, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())})
+        print(f"== phase {phase}: {len(pj)} jobs, {sum(len(j['specs']) for j in pj)} cases",
+              flush=True)
+    by_phase: dict[str, list[dict[str, Any]]] = {p: [] for p in a.phases}
+    phase_of = {j["name"]: j["phase"] for j in jobs}
+
+    def route(recs: list[dict[str, Any]]) -> None:
+        for r in recs:
+            phase = phase_of.get((r.get("job") or {}).get("name", ""), a.phases[-1])
+            by_phase[phase].append(r)
+            outputs[phase].add([r])
+            outputs[phase].doc["phase_wall_s"] = round(time.time() - started, 1)
+
+    eng = engine.Engine(rel_paths, a.workers, deadline, cal["cycles_per_ms"], limit)
+    leftovers = eng.run(jobs, on_records=route)
+    routed = {id(r) for rs in by_phase.values() for r in rs}
+    route([r for r in leftovers if id(r) not in routed])  # records of jobs never started
+    for phase in a.phases:
+        recs = by_phase[phase]
+        outputs[phase].doc["te_state_at_end"] = engine.te_state()
+        outputs[phase].write(complete=True)
+        print(f"== {phase}: {outputs[phase].doc.get('phase_wall_s')}s: {summarize(recs)}",
+              flush=True)
+        crashes = [r for r in recs if r.get("crashed") and not (r.get("spec") or {}).get("oracle")]
+        seen: set[str] = set()
+        for r in crashes:  # one line per distinct error
+            err = (r.get("error") or "")[:160]
+            if err not in seen and len(seen) < 8:
+                seen.add(err)
+                print(f"   crash e.g. {r.get('id')}: {err}")
+    print(f"== total wall {time.time() - t0:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
