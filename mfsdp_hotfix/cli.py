@@ -177,6 +177,8 @@ def _format(data: dict[str, Any]) -> str:
                      + (f"REFUSED: {copy['reason']}" if copy["refused"] else
                         f"era {copy['era']}, {copy['defect']}"))
         lines.append(f"    path: {copy['path']}")
+        if copy["without_hotfix"]:
+            lines.append(f"    without the hotfix: {copy['without_hotfix']}")
         for name, found in copy["functions"].items():
             lines.append(f"    {_shape_line(name, found, copy['fingerprints'].get(name))}")
         for note in copy["notes"]:

@@ -63,6 +63,7 @@ class Detection:
             "verified_release": self.verified_release,
             "era": self.era.name if self.era else None,
             "defect": self.era.defect if self.era else None,
+            "without_hotfix": self.era.without_hotfix if self.era else None,
             "refused": self.refused,
             "reason": self.reason,
             "notes": list(self.notes),

@@ -173,23 +173,34 @@ def shipped_in(qualname: str, shape: Shape) -> str | None:
 @dataclass(frozen=True)
 class Era:
     """What a combination of getter and drain shapes does wrong (for status; the fixes follow
-    the shapes themselves). ``None`` in a field matches any value."""
+    the shapes themselves). ``None`` in a field matches any value. ``without_hotfix`` says what
+    protects a job that does not load the hotfix, as measured with real TransformerEngine
+    (docs/VALIDATION.md): the widespread workaround, fused wgrad accumulation off, protects
+    only against era A's crash."""
 
     name: str
     defect: str
     guarded: bool | None
     drain_stream: str | None
     live_units: int
+    without_hotfix: str
 
+
+_ONLY_NO_DOUBLE_BUFFER = (
+    "only fsdp_double_buffer=False; turning fused wgrad accumulation off does NOT protect "
+    "(gradients measured wrong with real TransformerEngine, docs/VALIDATION.md)")
 
 ERAS = (
-    Era("A", "crash: 'No buffer found for bucket_id' (unguarded getter)", False, None, 2),
+    Era("A", "crash: 'No buffer found for bucket_id' (unguarded getter)", False, None, 2,
+        "fsdp_double_buffer=False, or fused wgrad accumulation off (measured on megatron-fsdp "
+        "0.4.0 with real TransformerEngine: no crash, gradients bit-identical, "
+        "docs/VALIDATION.md)"),
     Era("B", "silent gradient corruption: a freed slot is rewritten while its reduce-scatter "
-             "may still read it", None, None, 1),
+             "may still read it", None, None, 1, _ONLY_NO_DOUBLE_BUFFER),
     Era("C", "race when a reduce-scatter is slower than one unit's backward (the drain orders "
-             "only rs_stream)", True, "rs_stream", 2),
+             "only rs_stream)", True, "rs_stream", 2, _ONLY_NO_DOUBLE_BUFFER),
     Era("none", "no known defect: the getter drains before it allocates and the drain orders "
-                "the caller's stream", True, "caller", 2),
+                "the caller's stream", True, "caller", 2, "nothing is needed"),
 )
 
 

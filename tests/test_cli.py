@@ -129,3 +129,17 @@ def test_selftest_without_torch_says_fail_and_installs_nothing() -> None:
     proc = run_python("", args=("-c", NO_TORCH, "selftest"))
     assert proc.returncode == 2
     assert proc.stderr.startswith("selftest: FAIL: no torch") and "pip install" not in proc.stderr
+
+
+@pytest.mark.parametrize(("version", "era", "protects_fusion_off"),
+                         [("0.4.0", "A", True), ("0.5.1", "B", False), ("0.6.1", "C", False)])
+def test_status_says_what_protects_without_the_hotfix(fsdp_release, version: str, era: str,
+                                                      protects_fusion_off: bool) -> None:
+    """Users who turned fused wgrad off to dodge the bug learn from status whether that works."""
+    _, data = status(fsdp_release(version))
+    (copy,) = data["copies"]
+    assert copy["era"] == era
+    assert "fsdp_double_buffer=False" in copy["without_hotfix"]
+    assert ("does NOT protect" not in copy["without_hotfix"]) == protects_fusion_off
+    proc = run_python("", fsdp_release(version), args=("-m", "mfsdp_hotfix", "status"))
+    assert f"    without the hotfix: {copy['without_hotfix']}" in proc.stdout
