@@ -68,3 +68,17 @@ def test_audit_phases_plan_every_release_and_configuration() -> None:
 
 def test_documented_audit_tables_come_from_the_raw_json() -> None:
     assert_documented("validation/audit_report.py", 40)
+
+
+def test_gpu_tables_come_from_the_raw_json() -> None:
+    assert_documented("validation/gpu_report.py", 300)
+
+
+def test_core_gpt_and_cost_tables_come_from_the_raw_json() -> None:
+    documented = (REPO / "docs" / "VALIDATION.md").read_text()
+    for args in (("validation/core_gpt.py", "--report", "docs/validation/core-gpt-h200.json"),
+                 ("benchmarks/safe_choices.py", "--report",
+                  "docs/validation/bench-safe-choices-h200.json")):
+        rows = [line for line in script(*args).stdout.splitlines() if line.startswith("|")]
+        assert len(rows) > 10
+        assert [line for line in rows if line not in documented] == []

@@ -590,6 +590,24 @@ def summary(results):
     return rows
 
 
+def report_table(path):
+    """Markdown table of a driver's JSON (``--report``): one row per case, as recorded."""
+    with open(path) as f:
+        doc = json.load(f)
+    out = ["| release | model | variant | RS delay ms | run | outcome | rel. L2 vs serialized | "
+           "stopped at | error |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["summary"]:
+        rel = "–" if r["rel_l2"] is None else f"{r['rel_l2']:.3g}"
+        err = (r["error"] or "").split("\n")[0][:90].replace("|", "/")
+        out.append(f"| {r['release']} | {r['model']} | {r['variant']} | {r['delay_ms']:g} | "
+                   f"{'serialized' if r['serialized'] else 'asynchronous'} | {r['outcome']} | "
+                   f"{rel} | {r['stopped_at'] or '–'} | {err or '–'} |")
+    pairs = doc.get("serialized_shipped_vs_hotfix_max_abs")
+    out.append("")
+    out.append(f"Serialized shipped vs serialized hotfix, max abs difference: {pairs}")
+    return "\n".join(out)
+
+
 def truth_pairs(results):
     """Serialized shipped vs serialized hotfix grads of each configuration: must be identical."""
     import torch
@@ -649,6 +667,7 @@ def parse(argv=None):
     p.add_argument("--workers", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=170.0)
     p.add_argument("--case-timeout", type=float, default=150.0)
+    p.add_argument("--report", metavar="JSON", help="print the markdown table of a result")
     a = p.parse_args(argv)
     a.releases = [r for r in a.releases.split(",") if r]
     a.models = [m for m in a.models.split(",") if m]
@@ -660,7 +679,9 @@ def parse(argv=None):
 
 if __name__ == "__main__":
     args = parse()
-    if args.dry:
+    if args.report:
+        print(report_table(args.report))
+    elif args.dry:
         for case in make_cases(args, 0.0):
             print(case["label"], json.dumps(case["env"]))
     elif not args.out:
