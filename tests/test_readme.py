@@ -12,6 +12,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,30 @@ def test_the_summary_line_the_readme_shows_is_the_real_one(fsdp_release) -> None
                       "print(mfsdp_hotfix.summary())", fsdp_release("0.5.1"))
     assert proc.stdout.strip() == quoted.group(1), proc.stderr[-2000:]
     assert "fsdp_double_buffer=True" in section("Who needs it")
+
+
+def test_who_needs_it_quotes_the_measured_te_matrix() -> None:
+    """The fusion-off numbers users act on are the committed real-TE records, recounted here."""
+    text = section("Who needs it")
+    rows = json.loads((REPO / "docs" / "validation" / "te-summary.json").read_text())
+    later = [r for r in rows if r["release"] != "fsdp-0.4.0" and not r["fuse"]
+             and r["variant"] == "shipped" and r["delay_ms"] == 20]
+    wrong = [r["rel_l2"] for r in later if r["outcome"] == "wrong"]
+    assert f"wrong gradients in {len(wrong)} of {len(later)} fusion-off cases" in text
+    assert f"{min(wrong):.2f}–{max(wrong):.2f}" in text
+    oldest = [r for r in rows if r["release"] == "fsdp-0.4.0" and not r["fuse"]
+              and r["variant"] == "shipped" and not r["delay_wgrad"]]
+    exact = sum(r["outcome"] == "exact" for r in oldest)
+    assert f"({exact} of {len(oldest)} cases exact," in text
+    hotfix = [r for r in rows if not r["fuse"] and r["variant"] == "hotfix"]
+    runnable = [r for r in hotfix if not (r["release"] == "fsdp-0.4.0" and r["delay_wgrad"])]
+    assert all(r["outcome"] == "exact" for r in runnable)
+    assert f"hotfix all {len(runnable)} fusion-off cases" in text
+
+
+def test_who_needs_it_cost_table_is_the_benchmark_report() -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/safe_choices.py", "--report",
+                           "docs/validation/bench-safe-choices-h200.json"], cwd=REPO,
+                          capture_output=True, text=True, check=True)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    assert len(rows) > 5 and all(line in section("Who needs it") for line in rows)
