@@ -449,12 +449,13 @@ def make_cases(a, cpm):
     delay."""
     cases = []
     model_env = {"moe-opfuser": {"NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1"}}
-    base = dict(device=a.device, spec="local" if a.device == "cpu" else "te", db=True,
+    base = dict(device=a.device, spec="local" if a.device == "cpu" else "te",
+                db=not a.no_double_buffer,
                 size="tiny" if a.device == "cpu" else "gpu",
                 steps=a.steps, microbatches=a.microbatches, cycles_per_ms=cpm, delay_ms=0.0)
     for rel in a.releases:
         for model in a.models:
-            tag = f"{rel}|{model}"
+            tag = f"{rel}|{model}" + ("|no-double-buffer" if a.no_double_buffer else "")
             if model == a.models[0]:  # the APEX check does not depend on the model
                 cases.append(dict(base, label=f"{tag}|probe-no-apex-stub", release=rel,
                                   model=model, fix="none", apex_stub=False,
@@ -579,7 +580,7 @@ def summary(results):
     rows = []
     for r in results:
         res = r.get("result") or {}
-        rows.append({"release": r["release"], "model": r["model"],
+        rows.append({"release": r["release"], "model": r["model"], "db": r["db"],
                      "variant": r.get("variant", "probe"), "delay_ms": r["delay_ms"],
                      "serialized": bool(r.get("save_grads")), "outcome": outcome(r),
                      "rel_l2": res.get("rel_l2"), "max_abs": res.get("max_abs"),
@@ -599,7 +600,8 @@ def report_table(path):
     for r in doc["summary"]:
         rel = "–" if r["rel_l2"] is None else f"{r['rel_l2']:.3g}"
         err = (r["error"] or "").split("\n")[0][:90].replace("|", "/")
-        out.append(f"| {r['release']} | {r['model']} | {r['variant']} | {r['delay_ms']:g} | "
+        model = r["model"] + ("" if r.get("db", True) else ", fsdp_double_buffer=False")
+        out.append(f"| {r['release']} | {model} | {r['variant']} | {r['delay_ms']:g} | "
                    f"{'serialized' if r['serialized'] else 'asynchronous'} | {r['outcome']} | "
                    f"{rel} | {r['stopped_at'] or '–'} | {err or '–'} |")
     pairs = doc.get("serialized_shipped_vs_hotfix_max_abs")
@@ -667,6 +669,8 @@ def parse(argv=None):
     p.add_argument("--workers", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=170.0)
     p.add_argument("--case-timeout", type=float, default=150.0)
+    p.add_argument("--no-double-buffer", action="store_true",
+                   help="fsdp_double_buffer=False (to see whether a crash needs the pool)")
     p.add_argument("--report", metavar="JSON", help="print the markdown table of a result")
     a = p.parse_args(argv)
     a.releases = [r for r in a.releases.split(",") if r]
