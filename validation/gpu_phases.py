@@ -32,7 +32,7 @@ import fuzz  # noqa: E402
 import te_matrix  # noqa: E402
 
 ALL = list(engine.RELEASES)
-PHASES = ("smoke", "fuzz", "te", "long", "oracles")
+PHASES = ("smoke", "fuzz", "te", "long", "oracles", "maxpool")
 LONG = dict(hidden=256, units=[{"ffn": f, "norm": i == 3} for i, f in
                                enumerate((512, 1024, 768, 512, 1024, 256))],
             tokens=1024, microbatches=4, steps=20, optimizer="adam", lr=1e-3, dtype="fp32",
@@ -163,6 +163,10 @@ def phase_jobs(phase: str, a: argparse.Namespace, te: bool) -> list[dict[str, An
         return fuzz.plan(releases, list(range(lo, hi)), te_available=te, block=a.block)
     if phase == "te":
         return te_matrix.plan(releases, layers=te_matrix.LAYERS[:a.te_layers])
+    if phase == "maxpool":
+        return te_matrix.plan([r for r in releases if r in te_matrix.MAXPOOL_RELEASES],
+                              layers=te_matrix.MAXPOOL_LAYERS, dtypes=("fp32",),
+                              phase="maxpool", size={"maxpool": True})
     if phase == "long":
         return long_jobs(releases)
     if phase == "oracles":

@@ -101,13 +101,15 @@ def te_version_of(recs: list[dict[str, Any]]) -> str | None:
     return next((r["te_version"] for r in recs if r.get("te_version")), None)
 
 
-def te_summary(recs: list[dict[str, Any]], smoke: bool = False) -> list[dict[str, Any]]:
+def te_summary(recs: list[dict[str, Any]], smoke: bool = False, phase: str = "te"
+               ) -> list[dict[str, Any]]:
+    """The real-TE rows of ``phase`` ("te", or "maxpool": the same rows on MaxPoolAllocator)."""
     version = te_version_of(recs)
     out = []
     for r in recs:
         s = r.get("spec") or {}
         o = outcome(r)
-        if not (_in(r, "te", smoke) and _is_run(r)) or o is None:
+        if not (_in(r, phase, smoke) and _is_run(r)) or o is None:
             continue
         audit = r.get("audit") or {}
         out.append({"release": s["release"], "layer": s["layer"], "fuse": bool(s["fuse"]),
@@ -312,7 +314,8 @@ def main() -> None:
     recs, meta = load(paths)
     smoke = a.include_smoke
     summaries = {"fuzz": fuzz_summary(recs, smoke), "te": te_summary(recs, smoke),
-                 "long": long_summary(recs, smoke), "oracles": oracle_summary(recs, smoke)}
+                 "long": long_summary(recs, smoke), "oracles": oracle_summary(recs, smoke),
+                 "maxpool": te_summary(recs, smoke, phase="maxpool")}
     if a.write:
         for name, rows in summaries.items():
             if rows:
@@ -332,6 +335,9 @@ def main() -> None:
     print(oracle_table(summaries["oracles"]))
     print("\n## Real TransformerEngine\n")
     print(te_table(summaries["te"]))
+    if summaries["maxpool"]:
+        print("\n## Real TransformerEngine on MaxPoolAllocator\n")
+        print(te_table(summaries["maxpool"]))
     skipped = not_run(recs)
     if skipped:
         print("\nNot run: " + "; ".join(f"{n} × {k}" for k, n in sorted(skipped.items())))

@@ -31,6 +31,9 @@ LAYERS = [("te-linear", True, False), ("te-linear", False, False),
           ("te-grouped-linear", True, False), ("te-grouped-linear", False, False)]
 SIZE = dict(hidden=1024, units=4, ffn=2048, tokens=2048, microbatches=2, steps=2)
 DELAYS = (0, 20)
+# MaxPoolAllocator (issue 21): the releases that have it, the layers that matter most
+MAXPOOL_RELEASES = ("fsdp-0.6.1", "core-0.19.2")
+MAXPOOL_LAYERS = LAYERS[:4]
 VARIANTS = {"shipped": "shipped-audit", "hotfix": "hotfix-audit"}
 
 
@@ -42,7 +45,8 @@ def plan(releases: list[str], layers: list[tuple[str, bool, bool]] | None = None
          zeros: tuple[int, ...] = (2, 3), dtypes: tuple[str, ...] = ("fp32", "bf16"),
          delays: tuple[int, ...] = DELAYS, phase: str = "te", size: dict[str, Any] | None = None,
          per_job: int = 24) -> list[dict[str, Any]]:
-    """Per (release, variant): the rows in LAYERS order, cut in chunks of ``per_job`` serialized
+    """Per (release, variant): the rows in LAYERS order (``size`` may add spec keys, such as
+    ``maxpool``), cut in chunks of ``per_job`` serialized
     cases; the queue holds chunk k's serialized jobs of every release and variant, then the
     asynchronous jobs that compare with them (every delay), then chunk k+1 ..."""
     size = dict(SIZE, **(size or {}))
