@@ -214,6 +214,14 @@ def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool) -> int
               "machine without them, use a fresh virtual environment (README, 'Try it').",
               file=sys.stderr)
         return SELFTEST_CANNOT_RUN
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        print("selftest: FAIL: cannot run: no numpy in this environment. torch.distributed's "
+              "all_gather_object, which Megatron-FSDP calls, needs it on CPU (gloo); "
+              "`pip install numpy`, or use a fresh virtual environment (README, 'Try it').",
+              file=sys.stderr)
+        return SELFTEST_CANNOT_RUN
     from .selftest.selftest import audit_phase, conclusion, run_selftest
 
     # With --json, stdout carries only the JSON; progress and the table go to stderr.

@@ -129,3 +129,12 @@ def test_selftest_without_torch_says_fail_and_installs_nothing() -> None:
     proc = run_python("", args=("-c", NO_TORCH, "selftest"))
     assert proc.returncode == 2
     assert proc.stderr.startswith("selftest: FAIL: no torch") and "pip install" not in proc.stderr
+
+
+def test_selftest_without_numpy_says_it_cannot_run() -> None:
+    """torch.distributed's all_gather_object (Megatron-FSDP calls it) needs numpy on CPU."""
+    proc = run_python("", args=("-c", "import sys; sys.modules['numpy'] = None; "
+                                "from mfsdp_hotfix.cli import main; sys.exit(main(['selftest']))"))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "selftest: FAIL: cannot run: no numpy in this environment."), proc.stderr
