@@ -336,3 +336,15 @@ def test_help_is_plain(installed: Installed, command: str) -> None:
             if re.match(r"  \S", line) and not re.search(r"\S {2,}\S", line):
                 below = lines[i + 1] if i + 1 < len(lines) else ""
                 assert below.startswith("    ") and below.strip(), f"{line!r} unexplained: {text}"
+
+
+def test_the_try_it_route_names_the_torch_it_installs() -> None:
+    """The 'Try it' text names the torch pin of the ``selftest`` extra, and its CPU build."""
+    import tomllib
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["selftest"]
+    (pin,) = [r for r in extra if r.startswith("torch")]
+    text = " ".join(README.split("## Try it", 1)[1].split("\n## ", 1)[0].split())
+    assert f"`{pin}` on Linux is the CUDA build" in text, text
+    assert f"pip install {pin} --index-url https://download.pytorch.org/whl/cpu`" in text, text
