@@ -264,6 +264,21 @@ def test_bootstrap_path(installed: Installed) -> None:
     assert (proc.returncode, proc.stdout.strip()) == (0, "sitecustomize active"), proc.stderr
 
 
+@pytest.mark.parametrize("command, loaded_via", [
+    ("python -S", "not loaded"),  # no site: no .pth, no sitecustomize
+    ("python -I", "pth"),  # ignores PYTHONPATH, still runs site-packages' .pth
+    ("mfsdp-hotfix run -- python -E", "pth"),  # -E: run's PYTHONPATH is ignored, the .pth is not
+    ("MFSDP_HOTFIX_BOOTSTRAP=0 mfsdp-hotfix run -- python", "sitecustomize"),
+    ("MFSDP_HOTFIX_BOOTSTRAP=0 mfsdp-hotfix run -- python -E", "not loaded"),
+])
+def test_interpreter_flags(installed: Installed, command: str, loaded_via: str) -> None:
+    """The README's word on ``-S``, ``-I`` and ``-E`` against each automatic route."""
+    proc = installed.sh(command + " -c 'import sys; m = sys.modules.get(\"mfsdp_hotfix\"); "
+                        "print(m.trigger.loaded_via if m else \"not loaded\")'")
+    assert (proc.returncode, proc.stdout.strip()) == (0, loaded_via), proc.stderr
+    assert "`python -S` disables every automatic route" in README
+
+
 # ---- bad input and odd uses, from the same user's view
 
 
