@@ -24,12 +24,37 @@ CHECK_OK, CHECK_UNFIXED = 0, 1
 SELFTEST_PASS, SELFTEST_FAIL, SELFTEST_CANNOT_RUN = 0, 1, 2
 
 GPU_ONLY = ("gpus", "layer", "delay_ms", "zero", "dtype", "timeout")
+# A reader that closed the pipe early (``mfsdp-hotfix status | head -1``): the shell's status
+# for a command killed by SIGPIPE.
+BROKEN_PIPE = 141
+DESCRIPTION = ("Runtime repair of Megatron-FSDP's gradient double-buffer race. 'status' and "
+               "'bootstrap-path' work without torch; 'selftest' needs torch and a Megatron-FSDP "
+               "copy; 'run' starts a command with the hotfix loaded in every Python process; "
+               "'audit' does the same with the on-the-job audit on and summarises it.")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mfsdp-hotfix", description=__doc__)
+    """``mfsdp-hotfix``; a closed stdout (``| head``) ends it quietly with status 141."""
+    try:
+        try:
+            code = _main(argv)
+        finally:  # also after argparse's exit (--help, usage errors)
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Nothing more can be shown; keep the interpreter's own flush at exit quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = argparse.ArgumentParser(prog="mfsdp-hotfix", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
-    show = commands.add_parser("status", help="what is installed, detected and (would be) fixed")
+    show = commands.add_parser(
+        "status", help="what is installed, detected and (would be) fixed",
+        description="For a new Python process of this environment: whether the hotfix is "
+                    "loaded and how, every Megatron-FSDP copy found, which fixes would apply "
+                    "and why. Needs no torch.")
     show.add_argument("--json", action="store_true", help="one JSON object on stdout")
     show.add_argument("--check", action="store_true",
                       help=f"exit {CHECK_UNFIXED} if an affected copy would be left unfixed")
@@ -63,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_argument("--gpu", action="store_true", help="run on the GPU(s) instead of the CPU")
     gpu.add_argument("--gpus", type=int, metavar="N",
                      help="how many GPUs to use (default: all visible; 1: fake 2-rank group)")
-    gpu.add_argument("--layer", choices=list(GPU_LAYERS), default="auto",
+    gpu.add_argument("--layer", choices=list(GPU_LAYERS), default="auto", metavar="LAYER",
                      help="'te-layernorm-mlp' (te.LayerNormMLP), 'te-linear' (te.Linear), "
                           "'emulated' (TransformerEngine's fused-wgrad contract in PyTorch) or "
                           "'auto' (te-layernorm-mlp when transformer_engine is importable, else "
@@ -78,19 +103,29 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_argument("--timeout", type=float, default=300.0, metavar="S",
                      help="seconds each run may take before it is killed (default 300)")
     run = commands.add_parser("run", help="run a command with the hotfix on every process",
-                              usage="mfsdp-hotfix run -- COMMAND [ARGS...]")
-    run.add_argument("cmd", nargs=argparse.REMAINDER)
+                              usage="mfsdp-hotfix run -- COMMAND [ARGS...]",
+                              description="Run COMMAND with the hotfix's sitecustomize first on "
+                                          "PYTHONPATH, so that it and every Python process it "
+                                          "starts load the hotfix (for environments that do not "
+                                          "process site-packages .pth files).")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
+                     help="the command and its arguments, after --")
     audit = commands.add_parser(
         "audit", help="run a training command with the on-the-job audit and summarise it",
         usage="mfsdp-hotfix audit --out PATH -- COMMAND [ARGS...]",
-        description="Run COMMAND (e.g. torchrun ... train.py) like `mfsdp-hotfix run`, with "
+        description="Run COMMAND (e.g. torchrun ... train.py) like 'mfsdp-hotfix run', with "
                     "MFSDP_HOTFIX_AUDIT=PATH: every rank writes PATH.rank<N>.json (files of "
                     "that name from an earlier run are removed first). Then print a summary of "
                     "them; the last line is 'audit: <VERDICT>: ...' (ordered, UNORDERED, CRASH, "
                     "INCOMPLETE or NO DATA). The exit status is the command's.")
-    audit.add_argument("--out", required=True, help="path prefix of the rank files")
-    audit.add_argument("cmd", nargs=argparse.REMAINDER)
-    commands.add_parser("bootstrap-path", help="print the folder to prepend to PYTHONPATH")
+    audit.add_argument("--out", required=True, metavar="PATH",
+                       help="path prefix of the rank files (PATH.rank<N>.json)")
+    audit.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
+                       help="the command and its arguments, after --")
+    commands.add_parser("bootstrap-path", help="print the folder to prepend to PYTHONPATH",
+                        description="Print the folder holding the hotfix's sitecustomize, for "
+                                    "job scripts: PYTHONPATH=$(mfsdp-hotfix bootstrap-path)"
+                                    ":$PYTHONPATH")
     args = parser.parse_args(argv)
     if args.command == "status":
         return _status(args.json, args.check)
@@ -216,6 +251,14 @@ def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool) -> int
               "machine without them, use a fresh virtual environment (README, 'Try it').",
               file=sys.stderr)
         return SELFTEST_CANNOT_RUN
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        print("selftest: FAIL: cannot run: no numpy in this environment. torch.distributed's "
+              "all_gather_object, which Megatron-FSDP calls, needs it on CPU (gloo); "
+              "`pip install numpy`, or use a fresh virtual environment (README, 'Try it').",
+              file=sys.stderr)
+        return SELFTEST_CANNOT_RUN
     from .selftest.selftest import audit_phase, conclusion, run_selftest
 
     # With --json, stdout carries only the JSON; progress and the table go to stderr.
@@ -272,6 +315,10 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser) -> int
 
     command = _command(command, parser, "audit")
     path = os.path.abspath(out)
+    problem = _out_problem(out, path)
+    if problem:
+        print(f"mfsdp-hotfix audit: --out {out}: {problem}; nothing was run", file=sys.stderr)
+        return 2
     earlier = audit_report.rank_files(path)
     for name in earlier.values():  # a summary of this run only
         try:
@@ -299,6 +346,25 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser) -> int
         print(f"  {line}")
     print(f"audit: {verdict}: {_AUDIT_MEANING[verdict]} (command exit status {status})")
     return status if status >= 0 else 128 - status
+
+
+def _out_problem(out: str, path: str) -> str | None:
+    """Why the rank files ``PATH.rank<N>.json`` cannot go where ``--out`` says (None: fine)."""
+    prefix = "--out takes a path prefix, the rank files are PATH.rank<N>.json"
+    if out.endswith(("/", os.sep)) or os.path.isdir(path):
+        return f"is a folder ({prefix}): name a run inside it, e.g. {os.path.join(path, 'run1')}"
+    if os.path.exists(path):
+        return (f"is an existing file ({prefix}, not a file to write): give a path that does "
+                "not exist yet")
+    folder = os.path.dirname(path)
+    parent = folder
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, so the folder {folder} for the rank files cannot exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"the folder {parent} is not writable"
+    return None
 
 
 _AUDIT_MEANING = {

@@ -13,6 +13,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from installed import installed  # noqa: E402, F401  (session fixture: this package as installed)
+
 
 def run_python(code: str, *path: Path | str, env: dict[str, str] | None = None,
                python: str = sys.executable, repo: bool = True, args: tuple[str, ...] = (),

@@ -143,3 +143,12 @@ def test_status_says_what_protects_without_the_hotfix(fsdp_release, version: str
     assert ("does NOT protect" not in copy["without_hotfix"]) == protects_fusion_off
     proc = run_python("", fsdp_release(version), args=("-m", "mfsdp_hotfix", "status"))
     assert f"    without the hotfix: {copy['without_hotfix']}" in proc.stdout
+
+
+def test_selftest_without_numpy_says_it_cannot_run() -> None:
+    """torch.distributed's all_gather_object (Megatron-FSDP calls it) needs numpy on CPU."""
+    proc = run_python("", args=("-c", "import sys; sys.modules['numpy'] = None; "
+                                "from mfsdp_hotfix.cli import main; sys.exit(main(['selftest']))"))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "selftest: FAIL: cannot run: no numpy in this environment."), proc.stderr

@@ -20,6 +20,7 @@ the harness' worker processes only.  The classes work without installing, for un
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -192,8 +193,26 @@ class CpuDeviceIndex(str):
         return 0
 
 
+class AuditArmedFirst(RuntimeError):
+    """The on-the-job audit was armed before the stand-in was installed."""
+
+
 def install() -> Callable[[], None]:
-    """Put the stand-in into ``torch.cuda``; returns a function that undoes it."""
+    """Put the stand-in into ``torch.cuda``; returns a function that undoes it.
+
+    It must come before anything looks up ``megatron`` or ``megatron_fsdp`` (even
+    ``importlib.util.find_spec``): that fires the hotfix's import trigger, which arms the audit
+    (``MFSDP_HOTFIX_AUDIT``), and the audit instruments whatever ``torch.cuda`` holds at that
+    moment. Installed afterwards, the stand-in's streams and events would go unobserved and the
+    audit would count nothing, so this refuses instead (:class:`AuditArmedFirst`).
+    """
+    audit = sys.modules.get("mfsdp_hotfix.audit")
+    if audit is not None and audit.snapshot() is not None:
+        raise AuditArmedFirst(
+            "the torch.cuda stand-in must be installed before the on-the-job audit is armed: "
+            "the audit (MFSDP_HOTFIX_AUDIT) already instruments the real torch.cuda and would "
+            "not see the stand-in's streams and events; install the stand-in before anything "
+            "imports or looks up megatron / megatron_fsdp")
     import torch
 
     cuda: Any = torch.cuda

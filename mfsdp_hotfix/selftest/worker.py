@@ -39,7 +39,9 @@ def resolve_flavour(flavour: str) -> str:
     """``auto``: megatron-core's vendored copy when megatron-core is importable, else standalone.
 
     (Standalone Megatron-FSDP prefers megatron-core's config classes when both are importable,
-    so a user with megatron-core is running that copy's world anyway.)  Nothing is imported.
+    so a user with megatron-core is running that copy's world anyway.)  Nothing of Megatron is
+    imported, but the lookup fires the hotfix's import trigger where it is armed (which arms the
+    audit too): in the CPU worker, install the ``torch.cuda`` stand-in first.
     """
     if flavour != "auto":
         return flavour
@@ -169,9 +171,10 @@ def _sgd_step(params: Any, lr: float) -> None:
 def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str, Any]:
     started = time.perf_counter()
     report: dict[str, Any] = {"rank": rank, "crashed": True}
-    flavour = resolve_flavour(spec.flavour)  # before importing torch: fail fast
     from mfsdp_hotfix.selftest import cuda_standin
 
+    # First: resolve_flavour's lookup of ``megatron`` already fires the hotfix's import
+    # trigger, which arms the audit on whatever torch.cuda is then (see cuda_standin.install).
     cuda_standin.install()
     import torch
     import torch.distributed as dist
@@ -181,6 +184,7 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
         from mfsdp_hotfix import trigger
 
         trigger.disarm()
+    flavour = resolve_flavour(spec.flavour)
     package = importlib.import_module(VENDORED if flavour == "core" else STANDALONE)
     report["release"] = _release_info(flavour, package)
     pgb = importlib.import_module(package.__name__ + ".param_and_grad_buffer")

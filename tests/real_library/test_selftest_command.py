@@ -56,3 +56,18 @@ def test_cli_exit_status_and_json_verdict(tmp_path) -> None:
     last = proc.stderr.strip().splitlines()[-1]
     assert data["verdict"] == "PASS" and last == data["conclusion"], proc.stderr[-3000:]
     assert last.startswith("selftest: PASS: ") and proc.returncode == 0
+
+
+def test_audit_with_the_default_flavour_agrees() -> None:
+    """``mfsdp-hotfix selftest --audit`` with no other flag (``--flavour auto`` looks the copy
+    up, which arms the audit: the worker installs the torch.cuda stand-in before that)."""
+    from conftest import run_python
+
+    proc = run_python("", release_path("megatron-fsdp", "0.5.1"),
+                      args=("-m", "mfsdp_hotfix", "selftest", "--audit"), timeout=600)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "audit, without hotfix: 24 unordered of 36 reuses (stand-in: 24 of 36); audit on: " \
+           "agrees" in lines, proc.stdout[-3000:]
+    assert lines[-1].startswith("selftest: PASS: ") and lines[-1].endswith(
+        "the audit's counts equal the stand-in's"), lines[-1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -111,3 +112,39 @@ def test_install_and_undo_in_a_subprocess() -> None:
                          timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_install_refuses_once_the_audit_watches_the_real_torch_cuda(tmp_path: Path) -> None:
+    """Looking ``megatron`` up fires the import trigger, which arms the audit on whatever
+    torch.cuda is then: the stand-in must come first (issue 21: ``selftest --audit`` counted 0
+    reuses when ``--flavour auto`` looked the copy up before installing it)."""
+    code = (
+        "import importlib.util, sys, torch\n"
+        "import mfsdp_hotfix\n"
+        "from mfsdp_hotfix.selftest import cuda_standin as cs\n"
+        "if sys.argv[1] == 'standin-first':\n"
+        "    cs.install()\n"
+        "importlib.util.find_spec('megatron')\n"
+        "from mfsdp_hotfix import audit\n"
+        "assert audit.snapshot() is not None\n"
+        "if sys.argv[1] == 'standin-first':\n"
+        "    assert torch.cuda.Event is cs.Event\n"
+        "    e = cs.Event(); e.record(); cs.Stream().wait_event(e)\n"
+        "    print(audit.snapshot()['observed_operations'])\n"
+        "else:\n"
+        "    try:\n"
+        "        cs.install()\n"
+        "    except cs.AuditArmedFirst as exc:\n"
+        "        print('refused:', exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
+    env["MFSDP_HOTFIX_AUDIT"] = str(tmp_path / "audit")
+    outs = {}
+    for order in ("standin-first", "audit-first"):
+        out = subprocess.run([sys.executable, "-c", code, order], capture_output=True, text=True,
+                             timeout=120, cwd=Path(__file__).resolve().parents[2], env=env)
+        assert out.returncode == 0, out.stderr
+        outs[order] = out.stdout.strip()
+    assert int(outs["standin-first"]) >= 2  # the audit observed the stand-in's record and wait
+    assert outs["audit-first"].startswith("refused: the torch.cuda stand-in must be installed "
+                                          "before the on-the-job audit is armed")
