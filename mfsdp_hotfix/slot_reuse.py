@@ -135,7 +135,7 @@ class SlotReuse(Generic[M]):
             self.unseen += 1
             return
         self.reuses += 1
-        label = pool_label(pool)
+        label = pool_label(pool, slot)
         self.pools[label] = self.pools.get(label, 0) + 1
         ordered, writer = self.clocks.writer_after(mark)
         if not ordered:
@@ -159,8 +159,12 @@ def is_grad_pool(pool: Any) -> bool:
     return str(getattr(pool, "name", "")) in registry.GRAD_POOLS
 
 
-def pool_label(pool: Any) -> str:
-    return f"{getattr(pool, 'name', '?')} ({type(pool).__name__})"
+def pool_label(pool: Any, slot: Any = None) -> str:
+    """``fsdp_grads (MaxPoolAllocator)``; a fallback slot: ``fsdp_grads (FixedPoolAllocator,
+    fallback)`` or ``(..., persistent)``."""
+    kind = slot[0] if isinstance(slot, tuple) and slot[:1] in (("fallback",),
+                                                               ("persistent",)) else None
+    return f"{getattr(pool, 'name', '?')} ({type(pool).__name__}{', ' + kind if kind else ''})"
 
 
 def slot_of(pool: Any, bucket_id: int) -> Any:
