@@ -126,8 +126,9 @@ def copy_verdict(copy: dict[str, Any]) -> tuple[str, str | None]:
 
 def _used(copy: dict[str, Any]) -> bool:
     """A copy that built a gradient pool, saw anything, or could not be watched."""
-    return copy.get("grad_pools") != {} or bool(copy.get("reuses") or copy.get("crashed")
-                                                or copy.get("unseen"))
+    return copy.get("grad_pools") != {} or bool(
+        copy.get("reuses") or copy.get("crashed") or copy.get("unseen")
+        or copy.get("unwatched_pools") or copy.get("audited") is False)
 
 
 def totals(report: dict[str, Any]) -> dict[str, int]:

@@ -114,6 +114,9 @@ POOLS = {"fsdp_grads (MaxPoolAllocator)": 18}
     ({"grad_pools": POOLS, "unwatched_pools": ["fsdp_grads (NewPoolAllocator)"]}, "UNWATCHED",
      "gradient pool(s) fsdp_grads (NewPoolAllocator) built from a class the audit does not "
      "watch"),
+    ({"reuses": 0, "grad_pools": {}, "unwatched_pools": ["fsdp_grads (NewPoolAllocator)"]},
+     "UNWATCHED", "gradient pool(s) fsdp_grads (NewPoolAllocator) built from a class the audit "
+     "does not watch"),
     ({"unordered": 2, "grad_pools": POOLS}, "UNORDERED", None),
     ({"unseen": 3, "grad_pools": POOLS}, "INCOMPLETE",
      "3 reuses not judged (reduce-scatter not seen)"),
@@ -122,6 +125,8 @@ def test_copy_verdicts(fields: dict[str, Any], verdict: str, why: str | None) ->
     assert report.copy_verdict(_copy(**fields)) == (verdict, why)
     got, lines = report.summarise({0: _rank(0, world=1, **fields)}, "p")
     assert got == verdict and f"ranks 0: {verdict}: " in lines[0], lines
+    job, _ = report.job_line({0: report.totals(_rank(0, world=1, **fields))}, 1, "p", 1.0)
+    assert job == verdict
     if verdict in ("UNWATCHED", "NOT CHECKED"):
         assert lines[0].endswith(f"[{why}]"), lines
 
