@@ -3,10 +3,18 @@
 Why: the defect the hotfix repairs is an ordering defect. A gradient pool slot is handed to the
 next bucket while the reduce-scatter (RS) that last read it may still be running, and the stream
 that will write into it never waited for that RS. The rule, checked for every slot of every
-gradient ``FixedPoolAllocator``: when the pool hands out a slot again, the stream current at that
-moment (the writer) must already be ordered after the last RS that used the slot, identified by
-the event queued with that bucket in ``GradReducePipeline.grad_reduce_queue``. Otherwise the
-reuse is *unordered*. It is a rule, not a timing, so a race that did not fire is still found.
+gradient pool (``registry.GRAD_POOLS``) of every pool allocator class the copy has
+(``registry.POOL_ALLOCATORS``: ``FixedPoolAllocator``, ``MaxPoolAllocator``): when the pool hands
+out a slot again, the stream current at that moment (the writer) must already be ordered after the
+last RS that used the slot, identified by the event queued with that bucket in
+``GradReducePipeline.grad_reduce_queue``. Otherwise the reuse is *unordered*. It is a rule, not a
+timing, so a race that did not fire is still found.
+
+A slot is the memory a bucket gets: a pool slot (``using_buffer``), or, for a unit the pool does
+not fit, what the pool delegates to: the bucket's own storage in the pool's ``backup_allocator``
+(freed by a storage resize, regrown at the next fetch) or its persistent buffer
+(``fsdp_db_use_persist_buf_on_alloc_fail=True``: never freed, rewritten at the next fetch). A
+bucket holds its slot from ``allocate`` until ``free`` as the wrappers see them.
 
 The rule does not know how ordering is known: a :class:`Clocks` answers that (the CPU stand-in's
 own clocks for the selftest's checker, the audit's independent observer on a GPU). ``observe``

@@ -152,3 +152,12 @@ def test_a_copy_that_built_no_pool_does_not_hide_another_copys_result() -> None:
 def test_exit_status_follows_the_verdict(verdict: str, command: int, status: int) -> None:
     assert report.exit_status(verdict, command) == status
     assert (report.VERDICTS[verdict][2] == 0) == (verdict == "ordered")
+
+
+def test_docs_audit_md_lists_every_verdict_with_its_exit_status() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "AUDIT.md").read_text()
+    table = text.split("| verdict | meaning | what to do | exit status |", 1)[1]
+    rows = [line.split("|") for line in table.strip().splitlines()[1:]
+            if line.startswith("| `")]
+    assert [(row[1].strip().strip("`"), int(row[4])) for row in rows] == [
+        (verdict, status) for verdict, (_, _, status) in report.VERDICTS.items()]
