@@ -42,6 +42,9 @@ class CaseSpec:
     fallback: the backup allocator, or a persistent buffer).
     ``world``/``outer``: ranks, and the size of HSDP's DP-Outer dimension (1: plain FSDP over
     all ranks; more: a (outer, world/outer) mesh, DP-Outer replicated).
+    ``grad_comm_dtype``: ``MixedPrecisionPolicy(grad_comm_dtype=...)`` (e.g. "bfloat16"): the
+    gradients are reduced in that dtype, in buckets of its own (with HSDP, from the
+    ``hsdp_grad_comm`` pool too).
     """
 
     flavour: str = "auto"
@@ -67,6 +70,7 @@ class CaseSpec:
     wide_units: int = 0
     world: int = 2
     outer: int = 1
+    grad_comm_dtype: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -99,6 +103,8 @@ class CaseSpec:
         if self.world != 2 or self.outer != 1:
             bits.append(f"{self.world} ranks" + (f", HSDP outer {self.outer}"
                                                    if self.outer != 1 else ""))
+        if self.grad_comm_dtype:
+            bits.append(f"gradients reduced in {self.grad_comm_dtype}")
         if self.audit:
             bits.append("audit on")
         return ", ".join(bits)

@@ -108,7 +108,8 @@ def _gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]],
 
 def wrap(fully_shard: ModuleType, module: Any, unit_cls: type, strategy: str,
          double_buffer: bool, device: Any, per_token_loss: bool = False,
-         options: dict[str, Any] | None = None, outer: int = 1) -> Any:
+         options: dict[str, Any] | None = None, outer: int = 1,
+         grad_comm_dtype: str | None = None) -> Any:
     """``fully_shard_model`` over all ranks of the default group, as a (ranks, 1) dp/tp mesh
     (megatron-fsdp 0.5.x needs a registered TP submesh), with the options this release accepts;
     ``options`` must all be accepted. ``outer`` > 1: HSDP, an (outer, ranks/outer, 1) mesh."""
@@ -124,6 +125,13 @@ def wrap(fully_shard: ModuleType, module: Any, unit_cls: type, strategy: str,
         hybrid = {"dp_outer_dim": "dp_outer", "hybrid_fsdp_group": flat.get_group()}
     else:
         mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("fsdp", "tp"))
+    if grad_comm_dtype is not None:
+        import torch
+
+        mixed = importlib.import_module(fully_shard.__name__.rsplit(".", 1)[0]
+                                        + ".mixed_precision")
+        hybrid["mixed_precision_policy"] = mixed.MixedPrecisionPolicy(
+            grad_comm_dtype=getattr(torch, grad_comm_dtype))
     wanted: dict[str, Any] = {
         "module": module, "device_mesh": mesh, "dp_shard_dim": "fsdp", "tp_dim": "tp",
         "fsdp_unit_modules": [unit_cls],
@@ -222,7 +230,7 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
                               spec.wide_units)
         fsdp = wrap(fully_shard, net, model_lib.Unit, spec.strategy, spec.double_buffer,
                     torch.device("cpu"), spec.grad_reduce == "per-token", spec.options,
-                    spec.outer)
+                    spec.outer, spec.grad_comm_dtype)
         if spec.hotfix == "late":
             import mfsdp_hotfix
 

@@ -37,6 +37,9 @@ def _check(row: Configuration, got: dict[str, Any]) -> None:
             kind = "persistent" if fallback else "fallback"
             for run in runs.values():
                 assert run["grad_pools"][f"fsdp_grads (FixedPoolAllocator, {kind})"] > 0, where
+        if row.fields.get("grad_comm_dtype") and row.fields.get("outer", 1) > 1:
+            for run in runs.values():  # HSDP's own gradient pool was used and judged
+                assert run["grad_pools"]["hsdp_grad_comm (FixedPoolAllocator)"] > 0, where
     elif row.expect == matrix.REFUSED:
         assert on["era"] == "refused" and on["note"].startswith("refused by the hotfix: "), where
         assert on["fixes"] == [] and on["grads_equal"], where
