@@ -11,6 +11,7 @@ measurement equals the record, and that the doc shows the record.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,12 @@ def grads_equal(result: CaseResult) -> bool:
             and result.max_rel_grad_error <= BF16_RELATIVE)
 
 
+def _refusal(log: str) -> str | None:
+    """The reason in the hotfix's 'NOT patching' warning (the path before it varies)."""
+    found = re.search(r"mfsdp_hotfix: NOT patching .*? at \S+: (.*)", log)
+    return found.group(1).strip() if found else None
+
+
 def _run(result: CaseResult) -> dict[str, Any]:
     copies = (result.audit_report or {}).get("copies", [])
     copy = copies[0] if copies else {}
@@ -144,7 +151,8 @@ def _run(result: CaseResult) -> dict[str, Any]:
             "bf16": result.spec.grad_comm_dtype == "bfloat16",
             "grads_equal": grads_equal(result),
             "era": copy.get("era"), "fixes": copy.get("fixes"),
-            "grad_pools": copy.get("grad_pools"), "note": copy.get("note")}
+            "grad_pools": copy.get("grad_pools"), "note": copy.get("note"),
+            "refusal": _refusal(result.log_tail)}
 
 
 def measure(row: Configuration) -> dict[str, Any]:

@@ -26,6 +26,8 @@ def _check(row: Configuration, got: dict[str, Any]) -> None:
             run["unordered"], run["reuses"]), where
     on = runs["on"]
     where = f"{row.id}: {json.dumps(runs)}"
+    if row.expect != matrix.REFUSED:
+        assert on["refusal"] is None, where
     if row.expect == matrix.FIXED:
         assert runs["off"]["unordered"] > 0 and runs["off"]["audit_verdict"] == "UNORDERED", \
             where  # the race is there as shipped
@@ -42,6 +44,9 @@ def _check(row: Configuration, got: dict[str, Any]) -> None:
                 assert run["grad_pools"]["hsdp_grad_comm (FixedPoolAllocator)"] > 0, where
     elif row.expect == matrix.REFUSED:
         assert on["era"] == "refused" and on["note"].startswith("refused by the hotfix: "), where
+        # the warning every rank logs says why, and what to do
+        assert on["refusal"].startswith("unrecognised code shape in "), where
+        assert "run with fsdp_double_buffer=False" in on["refusal"], where
         assert on["fixes"] == [] and on["grads_equal"], where
         assert on["unordered"] > 0 and on["audit_verdict"] == "UNORDERED", where
     elif row.expect == matrix.NOT_CHECKED:
