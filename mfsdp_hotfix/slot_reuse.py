@@ -74,8 +74,9 @@ class SlotReuse(Generic[M]):
     crash: dict[str, Any] | None = None
     active: bool = True  # False: the wrappers only call the originals
     keep: int = 5  # unordered reuses kept in full
-    # gradient pools the models built: "name (Class)" -> reuses judged in it
+    # gradient pools the models built: "name (Class)" -> reuses judged in it, and those unordered
     pools: dict[str, int] = field(default_factory=dict)
+    pools_unordered: dict[str, int] = field(default_factory=dict)
     # gradient pools built from a class the rule does not watch: "name (Class)"
     unwatched: list[str] = field(default_factory=list)
     # (id(param_groups), bucket_id) -> mark of that bucket's latest queued RS since it got its
@@ -89,7 +90,8 @@ class SlotReuse(Generic[M]):
     def summary(self) -> dict[str, Any]:
         return {"reuses": self.reuses, "unordered": self.unordered_count,
                 "unseen": self.unseen, "first_unordered": [asdict(u) for u in self.unordered],
-                "grad_pools": dict(self.pools), "unwatched_pools": list(self.unwatched)}
+                "grad_pools": dict(self.pools), "unwatched_pools": list(self.unwatched),
+                "grad_pools_unordered": dict(self.pools_unordered)}
 
     # ---- what the wrappers report
     def reduced(self, pipeline: Any, bucket_group: list[int]) -> None:
@@ -148,6 +150,7 @@ class SlotReuse(Generic[M]):
         ordered, writer = self.clocks.writer_after(mark)
         if not ordered:
             self.unordered_count += 1
+            self.pools_unordered[label] = self.pools_unordered.get(label, 0) + 1
             if len(self.unordered) < self.keep:
                 self.unordered.append(Unordered(
                     pool=str(pool.name), slot=repr(slot), previous_bucket=previous,

@@ -46,6 +46,7 @@ class CopyAudit:
                 "unseen": found.get("unseen", 0),
                 "first_unordered": first[0], "crashed": crash is not None, "crash": crash,
                 "watched": self.watched, "grad_pools": found.get("grad_pools"),
+                "grad_pools_unordered": found.get("grad_pools_unordered"),
                 "unwatched_pools": found.get("unwatched_pools", []), "note": self.note}
 
 

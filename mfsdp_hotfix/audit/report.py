@@ -240,8 +240,11 @@ def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[
                                               "first": None, "notes": set(), "verdicts": []})
             entry["verdicts"].append(copy_verdict(copy))
             entry["used"] = entry.get("used", False) or _used(copy)
+            pools = entry.setdefault("pools", {})
             for pool, reuses in (copy.get("grad_pools") or {}).items():
-                entry.setdefault("pools", {})[pool] = entry.get("pools", {}).get(pool, 0) + reuses
+                unordered = (copy.get("grad_pools_unordered") or {}).get(pool, 0)
+                was = pools.get(pool, (0, 0))
+                pools[pool] = (was[0] + unordered, was[1] + reuses)
             entry["ranks"].append(rank)
             entry["reuses"] += int(copy.get("reuses", 0))
             entry["unordered"] += int(copy.get("unordered", 0))
@@ -267,7 +270,7 @@ def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[
                      + (f" [{why}]" if why and verdict in ("UNWATCHED", "NOT CHECKED") else ""))
         if entry.get("pools"):
             lines.append("  gradient pools: " + ", ".join(
-                f"{pool}: {n} reuses" for pool, n in entry["pools"].items()))
+                f"{pool}: {u} unordered of {n}" for pool, (u, n) in entry["pools"].items()))
         if entry["first"]:
             rank, first = entry["first"]
             lines.append(f"  first unordered reuse (rank {rank}): {json.dumps(first)}")

@@ -151,7 +151,8 @@ def _run(result: CaseResult) -> dict[str, Any]:
             "bf16": result.spec.grad_comm_dtype == "bfloat16",
             "grads_equal": grads_equal(result),
             "era": copy.get("era"), "fixes": copy.get("fixes"),
-            "grad_pools": copy.get("grad_pools"), "note": copy.get("note"),
+            "grad_pools": copy.get("grad_pools"),
+            "grad_pools_unordered": copy.get("grad_pools_unordered"), "note": copy.get("note"),
             "refusal": _refusal(result.log_tail)}
 
 
@@ -186,11 +187,23 @@ def _hotfix(run: dict[str, Any]) -> str:
     return ", ".join(run["fixes"] or []) or "none"
 
 
+def _per_pool(run: dict[str, Any]) -> str:
+    """``fsdp_grads 16/22, fsdp_grads fallback 0/3`` (rank 0's file)."""
+    parts = []
+    for label, reuses in (run["grad_pools"] or {}).items():
+        name, _, detail = label.partition(" (")
+        kind = detail.rstrip(")").split(", ")[1:]
+        unordered = (run["grad_pools_unordered"] or {}).get(label, 0)
+        parts.append(f"{' '.join([name, *kind])} {unordered}/{reuses}")
+    return ", ".join(parts) or "none built"
+
+
 def table(record: dict[str, Any]) -> str:
     """The markdown table of docs/CONFIGURATIONS.md, from the record."""
-    lines = ["| configuration | release | shipped: unordered/reuses, audit | hotfix applied | "
-             "hotfix: unordered/reuses, audit | hotfix: gradients vs reference |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| configuration | release | shipped: unordered/reuses, audit | shipped, per "
+             "gradient pool (rank 0) | hotfix applied | hotfix: unordered/reuses, audit | "
+             "hotfix: gradients vs reference |",
+             "|---|---|---|---|---|---|---|"]
     for row in CONFIGURATIONS:
         got = record[row.id]
         runs = got["runs"]
@@ -198,7 +211,8 @@ def table(record: dict[str, Any]) -> str:
         fixed = runs["on"]
         lines.append(
             f"| {got['what']} | {got['release']} | "
-            + (f"{_counts(shipped)}, `{shipped['audit_verdict']}`" if shipped else "—")
+            + (f"{_counts(shipped)}, `{shipped['audit_verdict']}` | {_per_pool(shipped)}"
+               if shipped else "— | —")
             + f" | {_hotfix(fixed)} | {_counts(fixed)}, `{fixed['audit_verdict']}` | "
             f"{_grads(fixed)} |")
     return "\n".join(lines)
