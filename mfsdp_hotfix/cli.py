@@ -116,8 +116,10 @@ def _main(argv: list[str] | None) -> int:
         description="Run COMMAND (e.g. torchrun ... train.py) like 'mfsdp-hotfix run', with "
                     "MFSDP_HOTFIX_AUDIT=PATH: every rank writes PATH.rank<N>.json (files of "
                     "that name from an earlier run are removed first). Then print a summary of "
-                    "them; the last line is 'audit: <VERDICT>: ...' (ordered, UNORDERED, CRASH, "
-                    "INCOMPLETE or NO DATA). The exit status is the command's.")
+                    "them; the last line is 'audit: <VERDICT>: ...' (UNORDERED, CRASH, UNWATCHED, "
+                    "INCOMPLETE, NOT CHECKED, ordered or NO DATA). Exit status: the command's "
+                    "when it failed; else 0 only for ordered, 3 for UNORDERED or CRASH, 4 when "
+                    "nothing or not everything was checked.")
     audit.add_argument("--out", required=True, metavar="PATH",
                        help="path prefix of the rank files (PATH.rank<N>.json)")
     audit.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -344,8 +346,10 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser) -> int
           + (f" ({len(earlier)} from an earlier run removed first)" if earlier else ""))
     for line in lines + [f"unreadable: {name}" for name in unreadable]:
         print(f"  {line}")
-    print(f"audit: {verdict}: {_AUDIT_MEANING[verdict]} (command exit status {status})")
-    return status if status >= 0 else 128 - status
+    meaning, todo, _ = audit_report.VERDICTS[verdict]
+    print(f"audit: {verdict}: {meaning}" + ("" if verdict == "ordered" else f"; {todo}")
+          + f" (command exit status {status})")
+    return audit_report.exit_status(verdict, status)
 
 
 def _out_problem(out: str, path: str) -> str | None:
@@ -365,19 +369,6 @@ def _out_problem(out: str, path: str) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"the folder {parent} is not writable"
     return None
-
-
-_AUDIT_MEANING = {
-    "ordered": "every gradient-slot reuse the audit saw was ordered after the reduce-scatter "
-               "that last read the slot",
-    "UNORDERED": "a gradient-buffer slot was reused by a stream not ordered after the "
-                 "reduce-scatter still reading it: on a GPU, silent gradient corruption (load "
-                 "the hotfix, or run with fsdp_double_buffer=False)",
-    "CRASH": "the double buffer crashed ('No buffer found for bucket_id'; load the hotfix, or "
-             "run with fsdp_double_buffer=False)",
-    "INCOMPLETE": "some ranks wrote no file or their audit was disabled: see the lines above",
-    "NO DATA": "no rank wrote a file: see the line above",
-}
 
 
 def _command(command: list[str], parser: argparse.ArgumentParser, verb: str) -> list[str]:

@@ -3,15 +3,25 @@
 Why: the defect the hotfix repairs is an ordering defect. A gradient pool slot is handed to the
 next bucket while the reduce-scatter (RS) that last read it may still be running, and the stream
 that will write into it never waited for that RS. The rule, checked for every slot of every
-gradient ``FixedPoolAllocator``: when the pool hands out a slot again, the stream current at that
-moment (the writer) must already be ordered after the last RS that used the slot, identified by
-the event queued with that bucket in ``GradReducePipeline.grad_reduce_queue``. Otherwise the
-reuse is *unordered*. It is a rule, not a timing, so a race that did not fire is still found.
+gradient pool (``registry.GRAD_POOLS``) of every pool allocator class the copy has
+(``registry.POOL_ALLOCATORS``: ``FixedPoolAllocator``, ``MaxPoolAllocator``): when the pool hands
+out a slot again, the stream current at that moment (the writer) must already be ordered after the
+last RS that used the slot, identified by the event queued with that bucket in
+``GradReducePipeline.grad_reduce_queue``. Otherwise the reuse is *unordered*. It is a rule, not a
+timing, so a race that did not fire is still found.
+
+A slot is the memory a bucket gets: a pool slot (``using_buffer``), or, for a unit the pool does
+not fit, what the pool delegates to: the bucket's own storage in the pool's ``backup_allocator``
+(freed by a storage resize, regrown at the next fetch) or its persistent buffer
+(``fsdp_db_use_persist_buf_on_alloc_fail=True``: never freed, rewritten at the next fetch). A
+bucket holds its slot from ``allocate`` until ``free`` as the wrappers see them.
 
 The rule does not know how ordering is known: a :class:`Clocks` answers that (the CPU stand-in's
 own clocks for the selftest's checker, the audit's independent observer on a GPU). ``observe``
-wraps ``FixedPoolAllocator.allocate``/``free`` and ``GradReducePipeline
-._bucket_group_gradient_reduce``; the wrappers call the original and return its result unchanged.
+wraps each pool allocator's ``allocate``/``free``, ``GradReducePipeline
+._bucket_group_gradient_reduce`` and ``GradReducePipeline.__init__`` (to list the gradient pools a
+model built, and any built from a class the rule does not know); the wrappers call the original
+and return its result unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any, Generic, Protocol, TypeVar
 
+from . import registry
 from .patching import Undo, wrap_attribute
 
 M = TypeVar("M")
@@ -63,15 +74,24 @@ class SlotReuse(Generic[M]):
     crash: dict[str, Any] | None = None
     active: bool = True  # False: the wrappers only call the originals
     keep: int = 5  # unordered reuses kept in full
+    # gradient pools the models built: "name (Class)" -> reuses judged in it, and those unordered
+    pools: dict[str, int] = field(default_factory=dict)
+    pools_unordered: dict[str, int] = field(default_factory=dict)
+    # gradient pools built from a class the rule does not watch: "name (Class)"
+    unwatched: list[str] = field(default_factory=list)
     # (id(param_groups), bucket_id) -> mark of that bucket's latest queued RS since it got its
     # slot (None: its event was never seen recorded)
     _bucket_rs: dict[tuple[int, int], M | None] = field(default_factory=dict)
     # (id(allocator), slot) -> (mark of the last RS that read the slot, bucket that owned it)
     _slot_reader: dict[tuple[int, Any], tuple[M | None, int]] = field(default_factory=dict)
+    # (id(allocator), bucket_id) -> the slot that bucket holds now
+    _held: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         return {"reuses": self.reuses, "unordered": self.unordered_count,
-                "unseen": self.unseen, "first_unordered": [asdict(u) for u in self.unordered]}
+                "unseen": self.unseen, "first_unordered": [asdict(u) for u in self.unordered],
+                "grad_pools": dict(self.pools), "unwatched_pools": list(self.unwatched),
+                "grad_pools_unordered": dict(self.pools_unordered)}
 
     # ---- what the wrappers report
     def reduced(self, pipeline: Any, bucket_group: list[int]) -> None:
@@ -83,24 +103,40 @@ class SlotReuse(Generic[M]):
             if bucket_id in queued:
                 self._bucket_rs[(groups, bucket_id)] = self.clocks.mark_of(queued[bucket_id])
 
-    def freeing(self, pool: Any, bucket_id: int) -> Any:
-        return pool.using_buffer.get(bucket_id) if is_grad_pool(pool) else None
+    def built(self, pipeline: Any, watched: tuple[type, ...]) -> None:
+        """A model's pipeline was built: list its gradient pools, and those the rule cannot
+        watch (a pool class it does not know)."""
+        buffer = pipeline.buffer
+        for attribute in registry.GRAD_POOL_ATTRIBUTES:
+            pool = getattr(buffer, attribute, None)
+            if pool is None:
+                continue
+            label = pool_label(pool)
+            if isinstance(pool, watched) and is_grad_pool(pool):
+                self.pools.setdefault(label, 0)
+            elif label not in self.unwatched:
+                self.unwatched.append(label)
 
-    def freed(self, pool: Any, bucket_id: int, slot: Any) -> None:
-        if slot is None or bucket_id in pool.using_buffer:
+    def freed(self, pool: Any, bucket_id: int) -> None:
+        """After ``free``: the slot the bucket held now has that bucket's last RS as reader."""
+        slot = self._held.pop((id(pool), bucket_id), None)
+        if slot is None:
             return
         bucket = (id(pool.fsdp_param_groups), bucket_id)
         key = (id(pool), slot)
-        if bucket in self._bucket_rs:
-            self._slot_reader[key] = (self._bucket_rs.pop(bucket), bucket_id)
+        if bucket in self._bucket_rs:  # several pools (HSDP's) may free the same bucket
+            self._slot_reader[key] = (self._bucket_rs[bucket], bucket_id)
         else:  # no RS read the slot since the bucket got it
             self._slot_reader.pop(key, None)
 
     def allocated(self, pool: Any, bucket_id: int, had_slot: bool) -> None:
-        if had_slot or not is_grad_pool(pool) or bucket_id not in pool.using_buffer:
+        if had_slot:
             return
+        slot = slot_of(pool, bucket_id)
+        if slot is None:
+            return
+        self._held[(id(pool), bucket_id)] = slot
         self._bucket_rs.pop((id(pool.fsdp_param_groups), bucket_id), None)
-        slot = pool.using_buffer[bucket_id]
         reader = self._slot_reader.pop((id(pool), slot), None)
         if reader is None:
             return
@@ -109,13 +145,19 @@ class SlotReuse(Generic[M]):
             self.unseen += 1
             return
         self.reuses += 1
+        label = pool_label(pool, slot)
+        self.pools[label] = self.pools.get(label, 0) + 1
         ordered, writer = self.clocks.writer_after(mark)
         if not ordered:
             self.unordered_count += 1
+            self.pools_unordered[label] = self.pools_unordered.get(label, 0) + 1
             if len(self.unordered) < self.keep:
                 self.unordered.append(Unordered(
                     pool=str(pool.name), slot=repr(slot), previous_bucket=previous,
                     new_bucket=bucket_id, rs_event=self.clocks.describe(mark), writer=writer))
+
+    def holds(self, pool: Any, bucket_id: int) -> bool:
+        return (id(pool), bucket_id) in self._held
 
     def crashed(self, pool: Any, bucket_id: int, exc: BaseException) -> None:
         if self.crash is None:
@@ -125,20 +167,71 @@ class SlotReuse(Generic[M]):
 
 
 def is_grad_pool(pool: Any) -> bool:
-    return "grad" in str(getattr(pool, "name", ""))
+    return str(getattr(pool, "name", "")) in registry.GRAD_POOLS
+
+
+def pool_label(pool: Any, slot: Any = None) -> str:
+    """``fsdp_grads (MaxPoolAllocator)``; a fallback slot: ``fsdp_grads (FixedPoolAllocator,
+    fallback)`` or ``(..., persistent)``."""
+    kind = slot[0] if isinstance(slot, tuple) and slot[:1] in (("fallback",),
+                                                               ("persistent",)) else None
+    return f"{getattr(pool, 'name', '?')} ({type(pool).__name__}{', ' + kind if kind else ''})"
+
+
+def slot_of(pool: Any, bucket_id: int) -> Any:
+    """The memory ``bucket_id`` got from ``pool`` in the allocation just made (None: none that
+    the rule follows, e.g. not a gradient pool)."""
+    if not is_grad_pool(pool):
+        return None
+    using = getattr(pool, "using_buffer", {})
+    if bucket_id in using:
+        return using[bucket_id]
+    if getattr(pool, "fallback_to_persistent_buffer", False) is True:
+        return ("persistent", bucket_id)
+    backup = getattr(pool, "backup_allocator", None)
+    if bucket_id in getattr(backup, "buckets", {}):
+        return ("fallback", bucket_id)
+    return None
+
+
+def watchable(buffer_module: ModuleType) -> tuple[list[registry.PoolAllocator], list[str]]:
+    """The pool allocators of ``buffer_module`` the rule can watch, and what is missing for the
+    others and for the pipeline (``Class.method`` names)."""
+    found, missing = [], []
+    for spec in registry.POOL_ALLOCATORS:
+        cls = getattr(buffer_module, spec.cls, None)
+        if cls is None:
+            continue
+        lacking = [f"{spec.cls}.{name}" for name in (spec.allocate, spec.free)
+                   if name not in cls.__dict__]
+        if lacking:
+            missing += lacking
+        else:
+            found.append(spec)
+    pipe = getattr(buffer_module, "GradReducePipeline", None)
+    missing += [f"GradReducePipeline.{name}"
+                for name in ("__init__", "_bucket_group_gradient_reduce")
+                if name not in getattr(pipe, "__dict__", {})]
+    return found, missing
 
 
 def observe(buffer_module: ModuleType, rule: SlotReuse[Any], marker: str,
             on_error: Callable[[str, Exception], None]) -> Undo:
-    """Wrap one copy's pool and pipeline classes so that ``rule`` sees every slot move.
+    """Wrap one copy's pool allocator classes and pipeline so that ``rule`` sees every slot move.
 
-    The original always runs, once, and its result or exception passes through unchanged. A
-    failure of the bookkeeping goes to ``on_error(where, exc)`` (which may raise); an
-    ``AssertionError`` of ``allocate`` itself (era A's 'No buffer found') is recorded as the
-    rule's crash, then re-raised.
+    Every class of ``registry.POOL_ALLOCATORS`` present with its two methods is wrapped (none
+    present: ``LookupError``). The original always runs, once, and its result or exception
+    passes through unchanged. A failure of the bookkeeping goes to ``on_error(where, exc)``
+    (which may raise); an ``AssertionError`` of ``allocate`` itself (era A's 'No buffer found')
+    is recorded as the rule's crash, then re-raised.
     """
-    pool_cls = buffer_module.FixedPoolAllocator
+    allocators, missing = watchable(buffer_module)
+    if not allocators or any(m.startswith("GradReducePipeline.") for m in missing):
+        raise LookupError("nothing the slot-reuse rule can watch: "
+                          + (", ".join(missing) or "no pool allocator class it knows")
+                          + " missing")
     pipe_cls = buffer_module.GradReducePipeline
+    watched = tuple(getattr(buffer_module, spec.cls) for spec in allocators)
 
     def guarded(where: str, step: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -147,29 +240,37 @@ def observe(buffer_module: ModuleType, rule: SlotReuse[Any], marker: str,
             on_error(where, exc)
             return None
 
-    def allocate(wrapped: Any, pool: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not rule.active:
-            return wrapped(*args, **kwargs)
-        bucket_id = args[0] if args else kwargs.get("bucket_id")
-        had_slot = guarded("FixedPoolAllocator.allocate", _has_slot, pool, bucket_id)
-        try:
-            result = wrapped(*args, **kwargs)
-        except AssertionError as exc:
-            guarded("FixedPoolAllocator.allocate", rule.crashed, pool, bucket_id, exc)
-            raise
-        if had_slot is not None and rule.active:
-            guarded("FixedPoolAllocator.allocate", rule.allocated, pool, bucket_id, had_slot)
-        return result
+    def allocate_of(cls: str) -> Any:
+        where = f"{cls}.allocate"
 
-    def free(wrapped: Any, pool: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not rule.active:
-            return wrapped(*args, **kwargs)
-        bucket_id = args[0] if args else kwargs.get("bucket_id")
-        slot = guarded("FixedPoolAllocator.free", rule.freeing, pool, bucket_id)
-        result = wrapped(*args, **kwargs)
-        if rule.active:
-            guarded("FixedPoolAllocator.free", rule.freed, pool, bucket_id, slot)
-        return result
+        def allocate(wrapped: Any, pool: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> Any:
+            if not rule.active:
+                return wrapped(*args, **kwargs)
+            bucket_id = args[0] if args else kwargs.get("bucket_id")
+            had_slot = guarded(where, rule.holds, pool, bucket_id)
+            try:
+                result = wrapped(*args, **kwargs)
+            except AssertionError as exc:
+                guarded(where, rule.crashed, pool, bucket_id, exc)
+                raise
+            if had_slot is not None and rule.active:
+                guarded(where, rule.allocated, pool, bucket_id, had_slot)
+            return result
+
+        return allocate
+
+    def free_of(cls: str) -> Any:
+        where = f"{cls}.free"
+
+        def free(wrapped: Any, pool: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            result = wrapped(*args, **kwargs)
+            if rule.active:
+                bucket_id = args[0] if args else kwargs.get("bucket_id")
+                guarded(where, rule.freed, pool, bucket_id)
+            return result
+
+        return free
 
     def reduce(wrapped: Any, pipeline: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                ) -> Any:
@@ -181,10 +282,20 @@ def observe(buffer_module: ModuleType, rule: SlotReuse[Any], marker: str,
                 list(group or ()))
         return result
 
+    def init(wrapped: Any, pipeline: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = wrapped(*args, **kwargs)
+        if rule.active:
+            guarded("GradReducePipeline.__init__", rule.built, pipeline, watched)
+        return result
+
+    targets: list[tuple[type, str, Any]] = [(pipe_cls, "_bucket_group_gradient_reduce", reduce),
+                                            (pipe_cls, "__init__", init)]
+    for spec, cls in zip(allocators, watched, strict=True):
+        targets += [(cls, spec.allocate, allocate_of(spec.cls)), (cls, spec.free,
+                                                                  free_of(spec.cls))]
     undos: list[Undo] = []
     try:
-        for owner, name, wrapper in ((pool_cls, "allocate", allocate), (pool_cls, "free", free),
-                                     (pipe_cls, "_bucket_group_gradient_reduce", reduce)):
+        for owner, name, wrapper in targets:
             undos.append(wrap_attribute(owner, name, wrapper, marker))
     except Exception:
         for done in undos:
@@ -195,7 +306,3 @@ def observe(buffer_module: ModuleType, rule: SlotReuse[Any], marker: str,
         return all([u() for u in undos])
 
     return undo
-
-
-def _has_slot(pool: Any, bucket_id: int) -> bool:
-    return bucket_id in pool.using_buffer

@@ -35,9 +35,24 @@ def miniature() -> types.ModuleType:
             if bucket_id in self.using_buffer:
                 self.idle_buffer.append(self.using_buffer.pop(bucket_id))
 
+    class MaxPoolAllocator(FixedPoolAllocator):
+        """Its own ``allocate``/``free`` (as the release's is), slots keyed with a dtype."""
+
+        def allocate(self, bucket_id: int, *args: Any, **kwargs: Any) -> None:
+            if bucket_id not in self.using_buffer:
+                assert self.idle_buffer, f"No buffer found for Bucket ID {bucket_id}"
+                group, offset = self.idle_buffer.pop(0)
+                self.using_buffer[bucket_id] = (group, "float32", offset)  # type: ignore
+
+        def free(self, bucket_id: int) -> None:
+            if bucket_id in self.using_buffer:
+                group, _, offset = self.using_buffer.pop(bucket_id)  # type: ignore
+                self.idle_buffer.append((group, offset))
+
     class GradReducePipeline:
         def __init__(self, pool: FixedPoolAllocator, rs_stream: cs.Stream) -> None:
-            self.buffer = types.SimpleNamespace(parameter_groups=pool.fsdp_param_groups)
+            self.buffer = types.SimpleNamespace(parameter_groups=pool.fsdp_param_groups,
+                                                main_grad_alloc=pool)
             self.pool = pool
             self.rs_stream = rs_stream
             self.grad_reduce_queue: list[tuple[cs.Event, Any, int]] = []
@@ -57,19 +72,20 @@ def miniature() -> types.ModuleType:
 
     module = types.ModuleType("miniature_pgb")
     module.FixedPoolAllocator = FixedPoolAllocator  # type: ignore[attr-defined]
+    module.MaxPoolAllocator = MaxPoolAllocator  # type: ignore[attr-defined]
     module.GradReducePipeline = GradReducePipeline  # type: ignore[attr-defined]
     module.Group = Group  # type: ignore[attr-defined]
     return module
 
 
 def backward(observe: Callable[[types.ModuleType], Any], drain_on_rs_stream: bool,
-             name: str = "fsdp_grads") -> None:
+             name: str = "fsdp_grads", allocator: str = "FixedPoolAllocator") -> None:
     """Five units in backward order: take a slot, write, reduce-scatter, keep one RS in flight;
     ``observe(module)`` wraps the miniature's classes first."""
     mini = miniature()
     observe(mini)
     groups = [mini.Group() for _ in range(5)]
-    pool = mini.FixedPoolAllocator(name, groups)
+    pool = getattr(mini, allocator)(name, groups)
     rs = cs.Stream(name="rs")
     pipe = mini.GradReducePipeline(pool, rs)
     for unit in reversed(range(5)):

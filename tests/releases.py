@@ -9,6 +9,7 @@ The cache lives in ``$MFSDP_TEST_CACHE`` (default ``<repo>/.cache/releases``).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -57,3 +58,40 @@ def unpacked(dist: str, version: str) -> Path:
             archive.extractall(target)
         done.touch()
     return target
+
+
+# NVIDIA/Megatron-LM refs not released as wheels: the Megatron-FSDP source of a git ref, taken
+# from a local clone (``MFSDP_TEST_MEGATRON_LM``, a git dir) and laid out as the standalone
+# ``megatron_fsdp`` package (which is how the megatron-fsdp wheel is built from that folder).
+MEGATRON_LM_GIT = Path(os.environ.get("MFSDP_TEST_MEGATRON_LM",
+                                      "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+_FSDP_SRC = "megatron/core/distributed/fsdp/src/megatron_fsdp"
+
+
+def git_tree(ref: str) -> Path | None:
+    """Folder holding ``megatron_fsdp`` as of ``ref`` (a branch of the clone, e.g. ``main`` or
+    ``pull-request/6316``); None when there is no clone with that ref."""
+    target = CACHE / "git" / ref.replace("/", "-")
+    if (target / ".complete").exists():
+        return target
+    if not MEGATRON_LM_GIT.exists():
+        return None
+    git = ["git", "--git-dir", str(MEGATRON_LM_GIT)]
+    found = subprocess.run(git + ["rev-parse", "--verify", "--quiet", f"refs/heads/{ref}"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        return None
+    target.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(git + ["archive", f"refs/heads/{ref}", _FSDP_SRC],
+                             capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    (target / _FSDP_SRC).rename(target / "megatron_fsdp")
+    shutil.rmtree(target / "megatron")  # empty now; it would shadow a real megatron package
+    (target / ".commit").write_text(found.stdout.strip())
+    (target / ".complete").touch()
+    return target
+
+
+def git_commit(ref: str) -> str | None:
+    tree = git_tree(ref)
+    return (tree / ".commit").read_text()[:10] if tree is not None else None

@@ -16,8 +16,9 @@ WRITE_RANK_FILE = """
 import json, os, sys
 path = os.environ["MFSDP_HOTFIX_AUDIT"]
 assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == sys.argv[1], os.environ["PYTHONPATH"]
-copy = {"package": "megatron_fsdp", "version": "0.5.1", "era": "B", "fixes": [], "reuses": 36,
-        "unordered": int(sys.argv[2]), "unseen": 0, "first_unordered": None, "crashed": False}
+copy = {"package": "megatron_fsdp", "version": "0.5.1", "era": "B", "fixes": [],
+        "reuses": int(sys.argv[3]), "unordered": int(sys.argv[2]), "unseen": 0,
+        "first_unordered": None, "crashed": False}
 json.dump({"rank": 0, "world_size": 1, "final": True, "audit": "on", "copies": [copy]},
           open(path + ".rank0.json", "w"))
 """
@@ -29,25 +30,32 @@ def _audit(tmp_path: Path, *command: str) -> tuple[int, list[str]]:
     return out.returncode, out.stdout.splitlines()
 
 
-def test_unordered_reuses_are_the_verdict_and_the_exit_status_is_the_commands(
-        tmp_path: Path) -> None:
+def test_the_verdict_is_the_last_line_and_sets_the_exit_status(tmp_path: Path) -> None:
     status, lines = _audit(tmp_path, sys.executable, "-c", WRITE_RANK_FILE,
-                           str(bootstrap.SITECUSTOMIZE_DIR), "24")
-    assert status == 0, lines
+                           str(bootstrap.SITECUSTOMIZE_DIR), "24", "36")
+    assert status == 3, lines
     assert lines[1].startswith("  megatron_fsdp 0.5.1 (era B, hotfix fixes applied: none), "
-                               "ranks 0: 24 unordered of 36"), lines
+                               "ranks 0: UNORDERED: 24 unordered of 36"), lines
     assert lines[-1].startswith("audit: UNORDERED: ") and lines[-1].endswith(
         "(command exit status 0)")
     status, lines = _audit(tmp_path, sys.executable, "-c", WRITE_RANK_FILE,
-                           str(bootstrap.SITECUSTOMIZE_DIR), "0")
+                           str(bootstrap.SITECUSTOMIZE_DIR), "0", "36")
     assert lines[0].endswith("(1 from an earlier run removed first)")
-    assert lines[-1].startswith("audit: ordered: every gradient-slot reuse")
+    assert lines[-1].startswith("audit: ordered: every gradient-slot reuse") and status == 0
+
+
+def test_nothing_checked_is_not_ordered_and_not_exit_0(tmp_path: Path) -> None:
+    status, lines = _audit(tmp_path, sys.executable, "-c", WRITE_RANK_FILE,
+                           str(bootstrap.SITECUSTOMIZE_DIR), "0", "0")
+    assert status == 4, lines
+    assert lines[-1].startswith("audit: NOT CHECKED: the audit watched the job but saw no "
+                                "gradient-slot reuse"), lines
 
 
 def test_no_rank_file_is_no_data_and_a_failing_command_keeps_its_status(tmp_path: Path) -> None:
     (tmp_path / "a.rank3.json").write_text(json.dumps({"rank": 3, "copies": []}))
     status, lines = _audit(tmp_path, sys.executable, "-c", "raise SystemExit(3)")
-    assert status == 3
+    assert status == 3  # the command's own failure wins
     assert lines[-1].startswith("audit: NO DATA: ") and not (tmp_path / "a.rank3.json").exists()
 
 

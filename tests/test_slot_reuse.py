@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
 from miniature import backward, miniature
 
-from mfsdp_hotfix import slot_reuse
+from mfsdp_hotfix import registry, slot_reuse
 from mfsdp_hotfix.patching import fix_of
 from mfsdp_hotfix.selftest import cuda_standin as cs
 from mfsdp_hotfix.selftest.ordering import StandinClocks
@@ -71,6 +72,56 @@ def test_a_reuse_after_a_reduce_scatter_the_observer_did_not_see_is_counted_not_
     rule = SlotReuse(Blind())
     backward(lambda module: slot_reuse.observe(module, rule, "test-rule", _raise), True)
     assert (rule.reuses, rule.unseen, rule.unordered_count) == (0, 3, 0)
+
+
+@pytest.mark.parametrize("allocator", ["FixedPoolAllocator", "MaxPoolAllocator"])
+@pytest.mark.parametrize("drain_on_rs_stream", [True, False])
+def test_every_known_pool_allocator_is_watched(allocator: str, drain_on_rs_stream: bool) -> None:
+    rule: SlotReuse[Any] = SlotReuse(StandinClocks())
+    watched: list[types.ModuleType] = []
+
+    def observe(module: types.ModuleType) -> None:
+        watched.append(module)
+        slot_reuse.observe(module, rule, "test-rule", _raise)
+
+    backward(observe, drain_on_rs_stream, allocator=allocator)
+    assert rule.reuses == 3 and rule.unordered_count == (3 if drain_on_rs_stream else 0)
+    assert rule.pools == {f"fsdp_grads ({allocator})": 3} and rule.unwatched == []
+    assert {fix_of(vars(getattr(watched[0], spec.cls)).get(name))
+            for spec in registry.POOL_ALLOCATORS for name in (spec.allocate, spec.free)} == {
+        "test-rule"}
+
+
+def test_a_gradient_pool_of_an_unknown_class_is_listed_as_unwatched() -> None:
+    rule: SlotReuse[Any] = SlotReuse(StandinClocks())
+
+    def observe(module: types.ModuleType) -> None:
+        slot_reuse.observe(module, rule, "test-rule", _raise)
+        methods = {name: getattr(f, "__wrapped__", f)  # the release's own, not our wrappers
+                   for name, f in vars(module.FixedPoolAllocator).items()}
+        module.NewPoolAllocator = type(  # type: ignore[attr-defined]
+            "NewPoolAllocator", (), methods)
+        module.FixedPoolAllocator = module.NewPoolAllocator  # what the release now builds
+
+    backward(observe, True)
+    assert (rule.reuses, rule.unwatched) == (0, ["fsdp_grads (NewPoolAllocator)"])
+
+
+def test_parameter_pools_are_not_judged_and_a_gradient_pool_of_another_name_is_unwatched(
+        ) -> None:
+    rule: SlotReuse[Any] = SlotReuse(StandinClocks())
+    backward(lambda module: slot_reuse.observe(module, rule, "test-rule", _raise), True,
+             name="fsdp_params")
+    # the miniature keeps that pool where a release keeps its gradient pool (main_grad_alloc)
+    assert (rule.reuses, rule.pools) == (0, {})
+    assert rule.unwatched == ["fsdp_params (FixedPoolAllocator)"]
+
+
+def test_a_copy_with_no_known_pool_allocator_cannot_be_observed() -> None:
+    mini = miniature()
+    del mini.FixedPoolAllocator, mini.MaxPoolAllocator
+    with pytest.raises(LookupError, match="no pool allocator class it knows"):
+        slot_reuse.observe(mini, SlotReuse(StandinClocks()), "test-rule", _raise)
 
 
 def _raise(where: str, exc: Exception) -> None:

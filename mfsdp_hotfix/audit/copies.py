@@ -2,9 +2,10 @@
 
 Every copy is audited, whatever the hotfix's verdict on it (patched, refused, unknown shape, or
 the hotfix switched off): the audit judges the ordering, not the code's provenance. Its gradient
-pools get the slot-reuse rule (``slot_reuse.observe``) and ``MegatronFSDP.finish_grad_sync`` a
-wrapper after which the rank file may be rewritten. A copy whose classes are not the shape the
-rule needs is listed with a note instead.
+pools, built by any pool allocator class of ``registry.POOL_ALLOCATORS`` the copy has, get the
+slot-reuse rule (``slot_reuse.observe``) and ``MegatronFSDP.finish_grad_sync`` a wrapper after
+which the rank file may be rewritten. A copy whose classes are not the shape the rule needs is
+listed with a note and ``audited: false`` instead, which the summary reads as UNWATCHED.
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from .. import detection, slot_reuse
+from .. import detection, registry, slot_reuse
 from ..happens_before import Mark
 from ..patching import Undo, wrap_attribute
 from ..registry import Copy
 from .observer import MARKER, Observer
-
-_NEEDED = (("FixedPoolAllocator", "allocate"), ("FixedPoolAllocator", "free"),
-           ("GradReducePipeline", "_bucket_group_gradient_reduce"))
 
 SlotReuseRule = slot_reuse.SlotReuse[Mark]
 
@@ -35,10 +33,11 @@ class CopyAudit:
     era: str | None
     rule: SlotReuseRule | None = None
     note: str | None = None
+    watched: list[str] = field(default_factory=list)  # pool allocator classes wrapped
     undo: list[Undo] = field(default_factory=list)
 
     def as_dict(self, fixes: list[str]) -> dict[str, Any]:
-        found = self.rule.summary() if self.rule is not None else {}
+        found: dict[str, Any] = self.rule.summary() if self.rule is not None else {}
         first = found.get("first_unordered") or [None]
         crash = self.rule.crash if self.rule is not None else None
         return {"package": self.package, "version": self.version, "era": self.era or "refused",
@@ -46,7 +45,9 @@ class CopyAudit:
                 "reuses": found.get("reuses", 0), "unordered": found.get("unordered", 0),
                 "unseen": found.get("unseen", 0),
                 "first_unordered": first[0], "crashed": crash is not None, "crash": crash,
-                "note": self.note}
+                "watched": self.watched, "grad_pools": found.get("grad_pools"),
+                "grad_pools_unordered": found.get("grad_pools_unordered"),
+                "unwatched_pools": found.get("unwatched_pools", []), "note": self.note}
 
 
 def watch_buffer_module(copy: Copy, module: ModuleType, observer: Observer,
@@ -56,12 +57,17 @@ def watch_buffer_module(copy: Copy, module: ModuleType, observer: Observer,
     audit = CopyAudit(copy.package, found.version, found.era.name if found.era else None)
     if found.refused:
         audit.note = f"refused by the hotfix: {found.reason}"
-    missing = [f"{cls}.{name}" for cls, name in _NEEDED
-               if name not in getattr(getattr(module, cls, None), "__dict__", {})]
-    if missing:
-        audit.note = (f"not audited: {', '.join(missing)} not found (a code shape the audit "
-                      "does not know)")
+    allocators, missing = slot_reuse.watchable(module)
+    if not allocators or any(name.startswith("GradReducePipeline.") for name in missing):
+        known = ", ".join(spec.cls for spec in registry.POOL_ALLOCATORS)
+        audit.note = ("not audited: " + (f"{', '.join(missing)} not found" if missing else
+                                         f"no pool allocator class the audit knows ({known})")
+                      + " (a code shape the audit does not know)")
         return audit
+    audit.watched = [spec.cls for spec in allocators]
+    if missing:  # a known class with another shape: its pools show up as unwatched_pools
+        audit.note = "; ".join(filter(None, [audit.note, f"{', '.join(missing)} not found: "
+                                             "pools of that class are not watched"]))
     audit.rule = slot_reuse.SlotReuse(observer)
     audit.undo.append(slot_reuse.observe(module, audit.rule, MARKER, on_error))
     return audit

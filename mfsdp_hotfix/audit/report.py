@@ -57,14 +57,90 @@ class RankFile:
         return target
 
 
+# The verdicts, worst first: (meaning, what to do, exit status of ``mfsdp-hotfix audit`` when
+# the command itself exited 0). Only ``ordered`` means something was checked and found right.
+VERDICTS: dict[str, tuple[str, str, int]] = {
+    "UNORDERED": ("a gradient-buffer slot was reused by a stream not ordered after the "
+                  "reduce-scatter still reading it: on a GPU, silent gradient corruption",
+                  "load the hotfix, or run with fsdp_double_buffer=False; with the hotfix "
+                  "loaded, report it with the rank files", 3),
+    "CRASH": ("the double buffer crashed ('No buffer found for bucket_id', era A)",
+              "load the hotfix, or run with fsdp_double_buffer=False", 3),
+    "UNWATCHED": ("a Megatron-FSDP copy, or a gradient pool it built, is of a shape the audit "
+                  "cannot watch (an allocator or hooks it does not know): nothing about it was "
+                  "checked",
+                  "read the note above; run with fsdp_double_buffer=False, or report the "
+                  "release with `mfsdp-hotfix status --json`", 4),
+    "INCOMPLETE": ("some ranks wrote no file, their audit was disabled by an error, or some "
+                   "reuses could not be judged: what was checked is not the whole job",
+                   "see the lines above; rerun with a path every rank can write", 4),
+    "NOT CHECKED": ("the audit watched the job but saw no gradient-slot reuse: no gradient "
+                    "pool was built (fsdp_double_buffer=False, one rank) or its slots were "
+                    "never handed to a second bucket (ZeRO-1, no sharded gradients): there "
+                    "was nothing to check",
+                    "nothing to fix if the double buffer is off; otherwise run at least one "
+                    "full step with 2+ ranks, ZeRO-2/3 and 3+ FSDP units", 4),
+    "ordered": ("every gradient-slot reuse the audit saw was ordered after the reduce-scatter "
+                "that last read the slot", "nothing", 0),
+    "NO DATA": ("no rank wrote a file: the hotfix was not loaded in the training processes, "
+                "no Megatron-FSDP copy was imported, or no finish_grad_sync() ran",
+                "run through `mfsdp-hotfix audit` or the installed bootstrap", 4),
+}
+_ORDER = list(VERDICTS)
+
+
+def worst(verdicts: list[str]) -> str:
+    """The first of ``verdicts`` in the order of :data:`VERDICTS`."""
+    return min(verdicts, key=_ORDER.index)
+
+
+def exit_status(verdict: str, command_status: int) -> int:
+    """``mfsdp-hotfix audit``'s exit status: the command's when it failed, else the verdict's
+    (0 only for ``ordered``)."""
+    if command_status < 0:  # killed by a signal
+        return 128 - command_status
+    return command_status or VERDICTS[verdict][2]
+
+
+def copy_verdict(copy: dict[str, Any]) -> tuple[str, str | None]:
+    """One copy's verdict on one rank (or summed over ranks), and why when it is not a count."""
+    pools = copy.get("grad_pools")
+    if copy.get("audited") is False:
+        return "UNWATCHED", copy.get("note") or "not audited"
+    if copy.get("unwatched_pools"):
+        return "UNWATCHED", ("gradient pool(s) " + ", ".join(copy["unwatched_pools"])
+                             + " built from a class the audit does not watch")
+    if int(copy.get("unordered", 0)):
+        return "UNORDERED", None
+    if copy.get("crashed"):
+        return "CRASH", None
+    if int(copy.get("unseen", 0)):
+        return "INCOMPLETE", f"{copy['unseen']} reuses not judged (reduce-scatter not seen)"
+    if not int(copy.get("reuses", 0)):
+        if pools == {}:
+            return "NOT CHECKED", "no gradient pool was built (fsdp_double_buffer off, or one rank)"
+        return "NOT CHECKED", ("gradient pool(s) " + ", ".join(pools or {}) + " built, no slot "
+                               "reused" if pools else "no gradient-slot reuse seen")
+    return "ordered", None
+
+
+def _used(copy: dict[str, Any]) -> bool:
+    """A copy that built a gradient pool, saw anything, or could not be watched."""
+    return copy.get("grad_pools") != {} or bool(
+        copy.get("reuses") or copy.get("crashed") or copy.get("unseen")
+        or copy.get("unwatched_pools") or copy.get("audited") is False)
+
+
 def totals(report: dict[str, Any]) -> dict[str, int]:
     """One rank's numbers, summed over its copies."""
     copies = report.get("copies", [])
+    used = [c for c in copies if _used(c)]
     return {"reuses": sum(int(c.get("reuses", 0)) for c in copies),
             "unordered": sum(int(c.get("unordered", 0)) for c in copies),
             "unseen": sum(int(c.get("unseen", 0)) for c in copies),
             "crashed": int(any(c.get("crashed") for c in copies)),
-            "disabled": int(bool(report.get("audit", "on") != "on"))}
+            "disabled": int(bool(report.get("audit", "on") != "on")),
+            "unwatched": sum(copy_verdict(c)[0] == "UNWATCHED" for c in used)}
 
 
 def exchange(store: Any, rank: int, world: int, mine: dict[str, int], timeout_s: float
@@ -83,23 +159,30 @@ def exchange(store: Any, rank: int, world: int, mine: dict[str, int], timeout_s:
 
 def job_line(found: dict[int, dict[str, int]], world: int, path: str, timeout_s: float
              ) -> tuple[str, str]:
-    """The job's verdict (``UNORDERED``, ``CRASH``, ``INCOMPLETE``, ``ordered``) and its line."""
+    """The job's verdict (one of :data:`VERDICTS` but ``NO DATA``) and its line."""
     reuses = sum(t["reuses"] for t in found.values())
     unordered = {r: t["unordered"] for r, t in found.items() if t["unordered"]}
     crashed = [r for r, t in found.items() if t["crashed"]]
     disabled = [r for r, t in found.items() if t.get("disabled")]
     unseen = sum(t.get("unseen", 0) for t in found.values())
     silent = [r for r in range(world) if r not in found]
+    unwatched = [r for r, t in found.items() if t.get("unwatched")]
     verdict = ("UNORDERED" if unordered else "CRASH" if crashed else
-               "INCOMPLETE" if silent or disabled or unseen else "ordered")
+               "UNWATCHED" if unwatched else "INCOMPLETE" if silent or disabled or unseen else
+               "NOT CHECKED" if not reuses else "ordered")
     parts = [f"mfsdp_hotfix audit, {world} rank{'s' if world > 1 else ''}: {verdict}: "
              f"{sum(unordered.values())} unordered of {reuses} gradient-slot reuses"]
     if unordered:
         parts.append(f"unordered on ranks {_ranks(sorted(unordered))}")
     if crashed:
         parts.append(f"'No buffer found' crash on ranks {_ranks(crashed)}")
+    if unwatched:
+        parts.append(f"a copy or gradient pool the audit cannot watch on ranks "
+                     f"{_ranks(unwatched)}")
     if disabled:
         parts.append(f"audit disabled by an error on ranks {_ranks(disabled)}")
+    if verdict == "NOT CHECKED":
+        parts.append("no gradient-slot reuse was seen: nothing was checked")
     if unseen:
         parts.append(f"{unseen} reuses not judged (their reduce-scatter was not seen)")
     if silent:
@@ -138,8 +221,8 @@ def read_rank_files(path: str) -> tuple[dict[int, dict[str, Any]], list[str]]:
 
 
 def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[str]]:
-    """A verdict (``UNORDERED``, ``CRASH``, ``INCOMPLETE``, ``ordered``, ``NO DATA``) and the
-    lines that explain it, from the rank files."""
+    """A verdict (one of :data:`VERDICTS`) and the lines that explain it, from the rank
+    files."""
     if not reports:
         return "NO DATA", [f"no rank file {path}.rank<N>.json was written: no Megatron-FSDP "
                            "copy was imported, the hotfix was not loaded in the training "
@@ -154,7 +237,14 @@ def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[
             entry = per_copy.setdefault(key, {"ranks": [], "reuses": 0, "unordered": 0,
                                               "unseen": 0,
                                               "unordered_ranks": [], "crashed": [],
-                                              "first": None, "notes": set()})
+                                              "first": None, "notes": set(), "verdicts": []})
+            entry["verdicts"].append(copy_verdict(copy))
+            entry["used"] = entry.get("used", False) or _used(copy)
+            pools = entry.setdefault("pools", {})
+            for pool, reuses in (copy.get("grad_pools") or {}).items():
+                unordered = (copy.get("grad_pools_unordered") or {}).get(pool, 0)
+                was = pools.get(pool, (0, 0))
+                pools[pool] = (was[0] + unordered, was[1] + reuses)
             entry["ranks"].append(rank)
             entry["reuses"] += int(copy.get("reuses", 0))
             entry["unordered"] += int(copy.get("unordered", 0))
@@ -166,12 +256,21 @@ def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[
                 entry["crashed"].append((rank, copy.get("crash")))
             if copy.get("note"):
                 entry["notes"].add(copy["note"])
+    copy_verdicts = []
     for (package, version, era, fixes), entry in per_copy.items():
+        verdict = worst([v for v, _ in entry["verdicts"]])
+        why = next((w for v, w in entry["verdicts"] if v == verdict and w), None)
+        if entry["used"]:
+            copy_verdicts.append(verdict)
         lines.append(f"{package} {version} (era {era}, hotfix fixes applied: {fixes}), ranks "
-                     f"{_ranks(entry['ranks'])}: {entry['unordered']} unordered of "
+                     f"{_ranks(entry['ranks'])}: {verdict}: {entry['unordered']} unordered of "
                      f"{entry['reuses']} gradient-slot reuses"
                      + (f" ({entry['unseen']} more not judged: their reduce-scatter was not "
-                        "seen)" if entry["unseen"] else ""))
+                        "seen)" if entry["unseen"] else "")
+                     + (f" [{why}]" if why and verdict in ("UNWATCHED", "NOT CHECKED") else ""))
+        if entry.get("pools"):
+            lines.append("  gradient pools: " + ", ".join(
+                f"{pool}: {u} unordered of {n}" for pool, (u, n) in entry["pools"].items()))
         if entry["first"]:
             rank, first = entry["first"]
             lines.append(f"  first unordered reuse (rank {rank}): {json.dumps(first)}")
@@ -190,9 +289,11 @@ def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[
     if unfinished:
         lines.append(f"rank files not final (the process did not exit normally) on ranks "
                      f"{_ranks(sorted(unfinished))}")
-    unordered = sum(e["unordered"] for e in per_copy.values())
-    crashed = any(e["crashed"] for e in per_copy.values())
-    unseen = any(e["unseen"] for e in per_copy.values())
-    verdict = ("UNORDERED" if unordered else "CRASH" if crashed else
-               "INCOMPLETE" if missing or disabled or unseen or not per_copy else "ordered")
-    return verdict, lines
+    if not copy_verdicts:
+        lines.append("no Megatron-FSDP copy in the rank files built a gradient pool"
+                     if per_copy else "no Megatron-FSDP copy was imported in the ranks that "
+                     "wrote files")
+    found = copy_verdicts or ["NOT CHECKED"]
+    if missing or disabled:
+        found.append("INCOMPLETE")
+    return worst(found), lines

@@ -124,12 +124,12 @@ class Unit(torch.nn.Module):
     Megatron-FSDP's guarded ``_grad_acc`` path and hide the defect.
     """
 
-    def __init__(self, hidden: int, linear: str = "emulated") -> None:
+    def __init__(self, hidden: int, linear: str = "emulated", width: int = 2) -> None:
         super().__init__()
         cls = {"mcore": McoreLinear, "unfused": UnfusedLinear,
                "overwrite": OverwritingLinear}.get(linear, FusedWgradLinear)
-        self.fc1 = cls(hidden, 2 * hidden)
-        self.fc2 = cls(2 * hidden, hidden)
+        self.fc1 = cls(hidden, width * hidden)
+        self.fc2 = cls(width * hidden, hidden)
         self.norm = torch.nn.LayerNorm(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,10 +149,12 @@ class Stack(torch.nn.Module):
     """
 
     def __init__(self, hidden: int, units: int, linear: str = "emulated",
-                 unit: Callable[[], torch.nn.Module] | None = None) -> None:
+                 unit: Callable[[], torch.nn.Module] | None = None, wide_units: int = 0) -> None:
         super().__init__()
         make = unit if unit is not None else (lambda: Unit(hidden, linear))
-        self.units = torch.nn.ModuleList(make() for _ in range(units))
+        self.units = torch.nn.ModuleList(
+            Unit(hidden, linear, width=4) if i < wide_units and unit is None else make()
+            for i in range(units))
         self.head = torch.nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,12 +168,12 @@ class Stack(torch.nn.Module):
 
 
 def build(hidden: int, units: int, seed: int, linear: str = "emulated",
-          dtype: torch.dtype = torch.float32) -> Stack:
+          dtype: torch.dtype = torch.float32, wide_units: int = 0) -> Stack:
     """Same seed, same weights: the FSDP ranks and the reference all start from this."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = Stack(hidden, units, linear)
+        model = Stack(hidden, units, linear, wide_units=wide_units)
         with torch.no_grad():  # LayerNorm starts at (1, 0); perturb so its grads are not trivial
             for unit in model.unit_list():
                 unit.norm.weight.add_(0.1 * torch.randn(hidden))

@@ -19,7 +19,6 @@ from typing import Any
 
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
 
-WORLD = 2
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # folder holding mfsdp_hotfix/
 
 
@@ -57,17 +56,18 @@ def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
             env.setdefault("MFSDP_HOTFIX_CROSS_RANK_TIMEOUT", "10")
         procs = []
         logs = []
-        for rank in range(WORLD):
+        world = spec.world
+        for rank in range(world):
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w+b")  # closed below
             logs.append(log)
             procs.append(subprocess.Popen(
                 [spec.python or sys.executable, "-m", "mfsdp_hotfix.selftest.worker",
                  spec.to_json(),
-                 str(rank), str(WORLD), store, tmp],
+                 str(rank), str(world), store, tmp],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         started = time.monotonic()
         first_exit: float | None = None
-        killed = [False] * WORLD
+        killed = [False] * world
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
             if first_exit is None and any(p.poll() is not None for p in procs):
@@ -85,7 +85,7 @@ def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
             time.sleep(0.2)
         codes = [p.wait() for p in procs]
         reports: list[dict[str, Any] | None] = []
-        for rank in range(WORLD):
+        for rank in range(world):
             path = Path(tmp) / f"rank{rank}.json"
             reports.append(json.loads(path.read_text()) if path.exists() else None)
             if reports[-1] is not None:  # the audit's own file, as a user would read it
@@ -156,8 +156,12 @@ def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int]
 
 def _merge_audit(result: CaseResult, present: list[dict[str, Any]]) -> None:
     """The audit's counts from the rank files it wrote (what a user reads), summed over ranks."""
+    from mfsdp_hotfix.audit import report
+
     files = [r["audit_file"] for r in present if r.get("audit_file")]
     result.audit_files = len(files)
+    result.audit_verdict = report.summarise({int(f.get("rank", i)): f
+                                             for i, f in enumerate(files)}, "audit")[0]
     if not files:
         result.audit_state = "no rank file written"
         return

@@ -34,6 +34,17 @@ class CaseSpec:
     path scales the local shard instead of the bucket it reduces (see docs/OLDEST_RELEASES.md).
     ``audit``: run the workers with ``MFSDP_HOTFIX_AUDIT`` set, so that the audit's counts can be
     compared with the stand-in's.
+    ``options``: further ``fully_shard_model`` keywords (``maxpool_double_buffer``,
+    ``fsdp_db_use_persist_buf_on_alloc_fail``, ...); a release without one of them fails the
+    case instead of silently running another configuration.
+    ``wide_units``: that many units (the first ones) get a 4x instead of 2x inner width, so they
+    are not symmetric to the others and a ``FixedPoolAllocator`` gives them no pool slot (its
+    fallback: the backup allocator, or a persistent buffer).
+    ``world``/``outer``: ranks, and the size of HSDP's DP-Outer dimension (1: plain FSDP over
+    all ranks; more: a (outer, world/outer) mesh, DP-Outer replicated).
+    ``grad_comm_dtype``: ``MixedPrecisionPolicy(grad_comm_dtype=...)`` (e.g. "bfloat16"): the
+    gradients are reduced in that dtype, in buckets of its own (with HSDP, from the
+    ``hsdp_grad_comm`` pool too).
     """
 
     flavour: str = "auto"
@@ -55,6 +66,11 @@ class CaseSpec:
     dtype: str = "float32"
     timeout_s: float = 240.0
     audit: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    wide_units: int = 0
+    world: int = 2
+    outer: int = 1
+    grad_comm_dtype: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -80,6 +96,15 @@ class CaseSpec:
             bits.append(f"grad reduce {self.grad_reduce}")
         if self.linear != "emulated":
             bits.append(f"linear={self.linear}")
+        if self.options:
+            bits.append(", ".join(f"{k}={v}" for k, v in sorted(self.options.items())))
+        if self.wide_units:
+            bits.append(f"{self.wide_units} wide unit(s)")
+        if self.world != 2 or self.outer != 1:
+            bits.append(f"{self.world} ranks" + (f", HSDP outer {self.outer}"
+                                                   if self.outer != 1 else ""))
+        if self.grad_comm_dtype:
+            bits.append(f"gradients reduced in {self.grad_comm_dtype}")
         if self.audit:
             bits.append("audit on")
         return ", ".join(bits)
@@ -106,6 +131,7 @@ class CaseResult:
     audit_crashed: bool | None = None
     audit_state: str | None = None  # "on", or why it was disabled / not armed
     audit_files: int = 0  # rank files found after the run
+    audit_verdict: str | None = None  # what `mfsdp-hotfix audit` says of those files
     audit_report: dict[str, Any] | None = None  # the first rank file, as written
     wall_s: float = 0.0
     worker_s: float | None = None  # slowest rank, imports included

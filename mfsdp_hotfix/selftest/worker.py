@@ -77,7 +77,8 @@ def _hotfix_status() -> Any:
         return {"status_error": repr(exc)}
 
 
-def _gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def _gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+                 shard_ranks: int | None = None) -> dict[str, Any]:
     """Full gradients from the ranks' row shards (Megatron-FSDP shards dim 0, rank order).
 
     A rank whose shard of a parameter is empty has ``grad is None`` there.
@@ -94,6 +95,7 @@ def _gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> d
     shards: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(shards, local)
     full = {}
+    shards = shards[:shard_ranks]  # HSDP: the first DP-Outer group's shards make a whole
     for name, shape in shapes.items():
         pieces = [s[name].reshape(-1, *shape[1:]) for s in shards if name in s]
         if not pieces:
@@ -107,14 +109,31 @@ def _gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> d
 
 
 def wrap(fully_shard: ModuleType, module: Any, unit_cls: type, strategy: str,
-         double_buffer: bool, device: Any, per_token_loss: bool = False) -> Any:
+         double_buffer: bool, device: Any, per_token_loss: bool = False,
+         options: dict[str, Any] | None = None, outer: int = 1,
+         grad_comm_dtype: str | None = None) -> Any:
     """``fully_shard_model`` over all ranks of the default group, as a (ranks, 1) dp/tp mesh
-    (megatron-fsdp 0.5.x needs a registered TP submesh), with the options this release accepts."""
+    (megatron-fsdp 0.5.x needs a registered TP submesh), with the options this release accepts;
+    ``options`` must all be accepted. ``outer`` > 1: HSDP, an (outer, ranks/outer, 1) mesh."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(), 1),
-                            mesh_dim_names=("fsdp", "tp"))
+    world = dist.get_world_size()
+    hybrid: dict[str, Any] = {}
+    if outer > 1:
+        mesh = init_device_mesh(device.type, (outer, world // outer, 1),
+                                mesh_dim_names=("dp_outer", "fsdp", "tp"))
+        flat = mesh["dp_outer", "fsdp"]._flatten("dp")
+        hybrid = {"dp_outer_dim": "dp_outer", "hybrid_fsdp_group": flat.get_group()}
+    else:
+        mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("fsdp", "tp"))
+    if grad_comm_dtype is not None:
+        import torch
+
+        mixed = importlib.import_module(fully_shard.__name__.rsplit(".", 1)[0]
+                                        + ".mixed_precision")
+        hybrid["mixed_precision_policy"] = mixed.MixedPrecisionPolicy(
+            grad_comm_dtype=getattr(torch, grad_comm_dtype))
     wanted: dict[str, Any] = {
         "module": module, "device_mesh": mesh, "dp_shard_dim": "fsdp", "tp_dim": "tp",
         "fsdp_unit_modules": [unit_cls],
@@ -124,7 +143,12 @@ def wrap(fully_shard: ModuleType, module: Any, unit_cls: type, strategy: str,
         "calculate_per_token_loss": per_token_loss,
     }
     accepted = inspect.signature(fully_shard.fully_shard_model).parameters
-    model = fully_shard.fully_shard_model(**{k: v for k, v in wanted.items() if k in accepted})
+    required = {**hybrid, **(options or {})}
+    unknown = sorted(set(required) - set(accepted))
+    if unknown:
+        raise TypeError(f"this release's fully_shard_model has no option {', '.join(unknown)}")
+    model = fully_shard.fully_shard_model(**{k: v for k, v in wanted.items() if k in accepted},
+                                          **required)
     # gloo has no PREMUL_SUM: scale first, then SUM (a setting, not a patch; the GPU runs use
     # the same, so that every backend reduces alike).
     if hasattr(model.ddp_config, "gradient_reduce_div_fusion"):
@@ -143,7 +167,7 @@ def _reference(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any) -> list[di
     then an SGD step per iteration."""
     from mfsdp_hotfix.selftest import model as model_lib
 
-    ref = model_lib.build(spec.hidden, spec.units, spec.seed, "plain", dtype)
+    ref = model_lib.build(spec.hidden, spec.units, spec.seed, "plain", dtype, spec.wide_units)
     out: list[dict[str, Any]] = []
     for it in range(spec.iterations):
         ref.zero_grad(set_to_none=True)
@@ -206,9 +230,11 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
     targets = model_lib.batches(spec.hidden, spec.tokens, world, spec.microbatches,
                                 spec.iterations, spec.seed + 7, dtype)
     try:
-        net = model_lib.build(spec.hidden, spec.units, spec.seed, spec.linear, dtype)
+        net = model_lib.build(spec.hidden, spec.units, spec.seed, spec.linear, dtype,
+                              spec.wide_units)
         fsdp = wrap(fully_shard, net, model_lib.Unit, spec.strategy, spec.double_buffer,
-                    torch.device("cpu"), spec.grad_reduce == "per-token")
+                    torch.device("cpu"), spec.grad_reduce == "per-token", spec.options,
+                    spec.outer, spec.grad_comm_dtype)
         if spec.hotfix == "late":
             import mfsdp_hotfix
 
@@ -230,7 +256,8 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
             fsdp.finish_grad_sync()
             named = dict(fsdp.module.named_parameters())
             grads = _gather_full({n: p.grad for n, p in named.items()},
-                                 {n: tuple(p.shape) for n, p in named.items()})
+                                 {n: tuple(p.shape) for n, p in named.items()},
+                                 world // spec.outer)
             for name in sorted(grads):
                 digest.update(name.encode())
                 digest.update(grads[name].contiguous().numpy().tobytes())

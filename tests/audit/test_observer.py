@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from miniature import backward
+from miniature import backward, miniature
 
 from mfsdp_hotfix import slot_reuse
 from mfsdp_hotfix.audit.observer import Observer, stream_key, stream_name
@@ -161,3 +161,31 @@ def test_audit_counts_equal_the_stand_in_checker_on_the_miniature(
     assert audit.reuses == 3
     assert audit.unordered_count == (3 if drain_on_rs_stream else 0)
     assert errors == []
+
+
+def test_a_copy_without_hooks_the_audit_needs_is_listed_unwatched_with_the_reason() -> None:
+    from mfsdp_hotfix import registry
+    from mfsdp_hotfix.audit import report
+    from mfsdp_hotfix.audit.copies import watch_buffer_module
+
+    copy = registry.COPIES[0]
+    bare = miniature()
+    del bare.FixedPoolAllocator, bare.MaxPoolAllocator
+    audit = watch_buffer_module(copy, bare, Observer(_raise), _raise)
+    found = audit.as_dict([])
+    assert found["audited"] is False and found["grad_pools"] is None
+    verdict, why = report.copy_verdict(found)
+    assert verdict == "UNWATCHED" and why is not None
+    assert "no pool allocator class the audit knows (FixedPoolAllocator, MaxPoolAllocator)" in why
+
+    partial = miniature()
+    del partial.MaxPoolAllocator.free  # a known class in a shape the audit cannot wrap
+    audit = watch_buffer_module(copy, partial, Observer(_raise), _raise)
+    assert audit.watched == ["FixedPoolAllocator"] and audit.rule is not None
+    assert "MaxPoolAllocator.free not found: pools of that class are not watched" in (
+        audit.note or "")
+    assert all(undo() for undo in audit.undo)
+
+
+def _raise(where: str, exc: Exception) -> None:
+    raise exc

@@ -50,6 +50,12 @@ def test_an_unwritable_path_raises_for_the_caller_to_report(tmp_path: Path) -> N
     ({0: {"reuses": 0, "unordered": 0, "crashed": 1}}, "CRASH", "crash on ranks 0"),
     ({0: {"reuses": 4, "unordered": 0, "crashed": 0}}, "INCOMPLETE",
      "no report within 5 s from ranks 1"),
+    ({0: {"reuses": 0, "unordered": 0, "crashed": 0}, 1: {"reuses": 0, "unordered": 0,
+                                                          "crashed": 0}},
+     "NOT CHECKED", "0 unordered of 0 gradient-slot reuses; no gradient-slot reuse was seen"),
+    ({0: {"reuses": 4, "unordered": 0, "crashed": 0, "unwatched": 1},
+      1: {"reuses": 4, "unordered": 0, "crashed": 0}},
+     "UNWATCHED", "a copy or gradient pool the audit cannot watch on ranks 0"),
 ])
 def test_job_line(found: dict[int, dict[str, int]], verdict: str, words: str) -> None:
     got, line = report.job_line(found, 2, "/p/audit", 5.0)
@@ -83,7 +89,7 @@ def test_summary_of_rank_files() -> None:
                                        1: _rank(1)}, "/p/audit")
     assert verdict == "UNORDERED"
     assert lines[0].startswith("megatron_fsdp 0.5.1 (era B, hotfix fixes applied: none), ranks "
-                               "0,1: 3 unordered of 36 gradient-slot reuses")
+                               "0,1: UNORDERED: 3 unordered of 36 gradient-slot reuses")
     assert "first unordered reuse (rank 0)" in lines[1] and '"new_bucket": 2' in lines[1]
     assert report.summarise({0: _rank(0), 1: _rank(1)}, "p")[0] == "ordered"
     assert report.summarise({0: _rank(0, crashed=True, crash={"bucket": 2})}, "p")[0] == "CRASH"
@@ -92,3 +98,66 @@ def test_summary_of_rank_files() -> None:
     assert report.summarise({}, "p")[0] == "NO DATA"
     verdict, lines = report.summarise({0: _rank(0, world=1, unseen=4)}, "p")
     assert verdict == "INCOMPLETE" and "(4 more not judged" in lines[0]
+
+
+POOLS = {"fsdp_grads (MaxPoolAllocator)": 18}
+
+
+@pytest.mark.parametrize(("fields", "verdict", "why"), [
+    ({"grad_pools": POOLS}, "ordered", None),
+    ({"reuses": 0, "grad_pools": {}}, "NOT CHECKED",
+     "no gradient pool was built (fsdp_double_buffer off, or one rank)"),
+    ({"reuses": 0, "grad_pools": {"fsdp_grads (FixedPoolAllocator)": 0}}, "NOT CHECKED",
+     "gradient pool(s) fsdp_grads (FixedPoolAllocator) built, no slot reused"),
+    ({"reuses": 0, "audited": False, "grad_pools": None, "note": "not audited: X"},
+     "UNWATCHED", "not audited: X"),
+    ({"grad_pools": POOLS, "unwatched_pools": ["fsdp_grads (NewPoolAllocator)"]}, "UNWATCHED",
+     "gradient pool(s) fsdp_grads (NewPoolAllocator) built from a class the audit does not "
+     "watch"),
+    ({"reuses": 0, "grad_pools": {}, "unwatched_pools": ["fsdp_grads (NewPoolAllocator)"]},
+     "UNWATCHED", "gradient pool(s) fsdp_grads (NewPoolAllocator) built from a class the audit "
+     "does not watch"),
+    ({"unordered": 2, "grad_pools": POOLS}, "UNORDERED", None),
+    ({"unseen": 3, "grad_pools": POOLS}, "INCOMPLETE",
+     "3 reuses not judged (reduce-scatter not seen)"),
+])
+def test_copy_verdicts(fields: dict[str, Any], verdict: str, why: str | None) -> None:
+    assert report.copy_verdict(_copy(**fields)) == (verdict, why)
+    got, lines = report.summarise({0: _rank(0, world=1, **fields)}, "p")
+    assert got == verdict and f"ranks 0: {verdict}: " in lines[0], lines
+    job, _ = report.job_line({0: report.totals(_rank(0, world=1, **fields))}, 1, "p", 1.0)
+    assert job == verdict
+    if verdict in ("UNWATCHED", "NOT CHECKED"):
+        assert lines[0].endswith(f"[{why}]"), lines
+
+
+def test_a_copy_that_built_no_pool_does_not_hide_another_copys_result() -> None:
+    unused = _copy(package="megatron.core.distributed.fsdp.src.megatron_fsdp", reuses=0,
+                   grad_pools={})
+    ranks = {r: {**_rank(r, grad_pools=POOLS), "copies": [_copy(grad_pools=POOLS), unused]}
+             for r in (0, 1)}
+    assert report.summarise(ranks, "p")[0] == "ordered"
+    for copy in (_copy(reuses=0, grad_pools={}), unused):
+        alone = {r: {**_rank(r), "copies": [copy]} for r in (0, 1)}
+        verdict, lines = report.summarise(alone, "p")
+        assert verdict == "NOT CHECKED", lines
+        assert lines[-1] == "no Megatron-FSDP copy in the rank files built a gradient pool"
+    assert report.summarise({0: {**_rank(0, world=1), "copies": []}}, "p")[0] == "NOT CHECKED"
+
+
+@pytest.mark.parametrize(("verdict", "command", "status"), [
+    ("ordered", 0, 0), ("UNORDERED", 0, 3), ("CRASH", 0, 3), ("UNWATCHED", 0, 4),
+    ("INCOMPLETE", 0, 4), ("NOT CHECKED", 0, 4), ("NO DATA", 0, 4), ("ordered", 2, 2),
+    ("NOT CHECKED", 1, 1), ("CRASH", -9, 137)])
+def test_exit_status_follows_the_verdict(verdict: str, command: int, status: int) -> None:
+    assert report.exit_status(verdict, command) == status
+    assert (report.VERDICTS[verdict][2] == 0) == (verdict == "ordered")
+
+
+def test_docs_audit_md_lists_every_verdict_with_its_exit_status() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "AUDIT.md").read_text()
+    table = text.split("| verdict | meaning | what to do | exit status |", 1)[1]
+    rows = [line.split("|") for line in table.strip().splitlines()[1:]
+            if line.startswith("| `")]
+    assert [(row[1].strip().strip("`"), int(row[4])) for row in rows] == [
+        (verdict, status) for verdict, (_, _, status) in report.VERDICTS.items()]
