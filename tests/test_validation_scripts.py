@@ -77,6 +77,8 @@ def test_gpu_tables_come_from_the_raw_json() -> None:
 def test_core_gpt_and_cost_tables_come_from_the_raw_json() -> None:
     documented = (REPO / "docs" / "VALIDATION.md").read_text()
     for args in (("validation/core_gpt.py", "--report", "docs/validation/core-gpt-h200.json"),
+                 ("validation/core_gpt.py", "--report",
+                  "docs/validation/core-gpt-opfuser-no-double-buffer-h200.json"),
                  ("benchmarks/safe_choices.py", "--report",
                   "docs/validation/bench-safe-choices-h200.json")):
         rows = [line for line in script(*args).stdout.splitlines() if line.startswith("|")]

@@ -33,8 +33,10 @@ TE_KEYS = ("release", "layer", "fuse", "zero", "delay_ms", "dtype", "variant", "
 
 
 def load(paths: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Every case record by id (a record that ran wins over a later 'not run' of the same id)."""
-    by_id: dict[str, dict[str, Any]] = {}
+    """Every case record by phase and id (a phase's ids repeat in another phase: the maxpool
+    phase runs the te phase's rows; a record that ran wins over a later 'not run' of the same
+    case)."""
+    by_id: dict[tuple[str, str], dict[str, Any]] = {}
     meta: dict[str, Any] = {}
     for path in paths:
         opener = gzip.open if path.endswith(".gz") else open
@@ -45,10 +47,11 @@ def load(paths: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             "te_state_at_start", "te_state_at_end")}
         for r in doc["records"]:
             r["_file"] = os.path.basename(path)
-            old = by_id.get(r.get("id"))
+            key = (_phase(r), r.get("id"))
+            old = by_id.get(key)
             if old is not None and r.get("skipped") and not old.get("skipped"):
                 continue
-            by_id[r.get("id")] = r
+            by_id[key] = r
     return list(by_id.values()), meta
 
 
