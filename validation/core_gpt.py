@@ -427,22 +427,6 @@ def case_main(path, out):
 
 # --------------------------------------------------------------------------------------- driver
 
-def calibrate():
-    import torch
-    torch.cuda.init()
-    samples = []
-    for n in (1_000_000, 10_000_000, 50_000_000):
-        for _ in range(3):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            torch.cuda._sleep(n)
-            e.record()
-            torch.cuda.synchronize()
-            samples.append((n, s.elapsed_time(e)))
-    big = sorted(n / ms for n, ms in samples if n == 50_000_000)
-    return {"cycles_per_ms": big[len(big) // 2], "samples": samples}
-
-
 def make_cases(a, cpm):
     """Per release, the probe without the APEX stub (stops after model_build); per (release,
     model), the serialized truth of shipped and hotfix, then the asynchronous runs at each
@@ -628,7 +612,7 @@ def truth_pairs(results):
 def driver_main(a):
     t0 = time.time()
     sys.path.insert(0, HERE)
-    from run_matrix import unpack_releases
+    from run_matrix import calibrate, unpack_releases
     rel_paths = {k: v for k, v in unpack_releases(os.path.join(HERE, "wheels")).items()
                  if k in a.releases}
     rel_paths.update(kv.split("=", 1) for kv in a.release_path)

@@ -138,8 +138,9 @@ def main() -> None:
             print(json.dumps({"seed": s, **draw(s, a.te_share)}, indent=1))
         return
     import gpu_phases
+    import run_matrix
 
-    rel_paths = gpu_phases.unpack(a.wheels)
+    rel_paths = run_matrix.unpack_releases(a.wheels)
     if a.cpu:
         os.environ["MFSDP_VAL_CPU"] = "1"
         cpm = 0.0

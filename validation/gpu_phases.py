@@ -14,14 +14,12 @@ rewritten as records come in, so a call cut short leaves what it had) and prints
 from __future__ import annotations
 
 import argparse
-import glob
 import gzip
 import json
 import os
 import subprocess
 import sys
 import time
-import zipfile
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,6 +27,7 @@ sys.path.insert(0, HERE)
 
 import engine  # noqa: E402
 import fuzz  # noqa: E402
+import run_matrix  # noqa: E402
 import te_matrix  # noqa: E402
 
 ALL = list(engine.RELEASES)
@@ -40,22 +39,6 @@ LONG = dict(hidden=256, units=[{"ffn": f, "norm": i == 3} for i, f in
 LONG_FAULTS = {"seed": 20, "budget_ms": 1500.0, "rs": {"p": 0.4, "max_ms": 10.0},
                "ag": {"p": 0.2, "max_ms": 5.0}, "compute": {"p": 0.3, "max_ms": 5.0},
                "compute_units": [0, 2, 4], "compute_phases": ["fwd", "bwd"]}
-
-
-def unpack(wheel_dir: str) -> dict[str, str]:
-    paths = {}
-    for name, (pattern, _) in engine.RELEASES.items():
-        found = sorted(glob.glob(os.path.join(wheel_dir, pattern)))
-        if not found:
-            continue
-        dest = os.path.join(engine.WORK, "rel", name)
-        if not os.path.exists(os.path.join(dest, ".done")):
-            os.makedirs(dest, exist_ok=True)
-            with zipfile.ZipFile(found[0]) as z:
-                z.extractall(dest)
-            open(os.path.join(dest, ".done"), "w").close()
-        paths[name] = dest
-    return paths
 
 
 def calibrate() -> dict[str, Any]:
@@ -277,7 +260,7 @@ def main() -> None:
                 print(f"   {j['name']}: {len(j['specs'])} cases, te={j['te']}, env={j['env']}")
         return
     os.makedirs(a.out, exist_ok=True)
-    rel_paths = unpack(a.wheels)
+    rel_paths = run_matrix.unpack_releases(a.wheels)
     if a.cpu:
         os.environ["MFSDP_VAL_CPU"] = "1"
         cal: dict[str, Any] = {"cycles_per_ms": 0.0, "gpu": "cpu (test mode)"}

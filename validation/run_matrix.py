@@ -25,7 +25,7 @@ import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-WORK = "/tmp/mfsdp_val"
+WORK = os.environ.get("MFSDP_VAL_WORK", "/tmp/mfsdp_val")
 
 CORE_PKG = "megatron.core.distributed.fsdp.src.megatron_fsdp"
 RELEASES = [  # (short name, wheel glob, import path)
