@@ -394,9 +394,11 @@ def test_readme_timing_is_the_recorded_run() -> None:
                              + times["shipped"] + times["hotfix"]))
         return out
 
-    default_route = (REPO / "docs" / "validation" / "selftest-gpu-h200-default-route.txt")
-    assert "rel. L2 vs serialized" in default_route.read_text()
-    assert "32/46" in default_route.read_text() and "selftest: PASS" in default_route.read_text()
+    for name, copy in (("selftest-gpu-h200-default-route.txt", "megatron-fsdp 0.6.1"),
+                       ("selftest-gpu-h200-core-default-route.txt", "megatron-core 0.19.2")):
+        recorded = (REPO / "docs" / "validation" / name).read_text()
+        assert "rel. L2 vs serialized" in recorded and "32/46" in recorded
+        assert f"selftest: PASS: on 1 GPU, {copy} with te.LayerNormMLP" in recorded
     (te_run,) = totals("selftest-gpu-h200-default-route.txt")
     emulated = totals("selftest-gpu-h200.txt")[1]
     readme = " ".join((REPO / "README.md").read_text().split())
