@@ -8,24 +8,15 @@ vendored in megatron-core. The import itself is cheap and imports neither torch 
 from __future__ import annotations
 
 from . import trigger
+from .__about__ import __version__
+from .errors import HotfixRefused, UnsupportedConfiguration
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs more to import than this whole package
     from typing import Any
 
-__version__ = "0.1.0"
 __all__ = ["HotfixRefused", "UnsupportedConfiguration", "__version__", "apply_to", "install",
            "status", "summary", "uninstall"]
-
-
-class HotfixRefused(RuntimeError):
-    """Strict mode: a Megatron-FSDP copy was found that the hotfix cannot verify."""
-
-
-class UnsupportedConfiguration(RuntimeError):
-    """A ``MegatronFSDP`` was built in a configuration that fails on this release and that the
-    hotfix could not repair here; the message names the release, the configuration and the
-    workaround."""
 
 
 def install(strict: bool | None = None) -> bool:
@@ -53,9 +44,9 @@ def status() -> dict[str, Any]:
 
 def summary() -> str:
     """One line: what this process patched."""
-    from . import reporting
+    from . import installer
 
-    return reporting.summary()
+    return installer.summary()
 
 
 def apply_to(model: Any) -> int:

@@ -82,7 +82,7 @@ def limits(found: Detection, fixes: dict[str, tuple[str, str]]) -> list[dict[str
 def check(found: Detection, fixes: dict[str, tuple[str, str]], ddp_config: Any) -> None:
     """Raise :class:`~mfsdp_hotfix.UnsupportedConfiguration` if the model just built with
     ``ddp_config`` is in a configuration this copy needs an unavailable fix for."""
-    from . import UnsupportedConfiguration
+    from .errors import UnsupportedConfiguration
 
     for limit in LIMITS:
         state, reason = fixes.get(limit.fix, ("not needed", ""))

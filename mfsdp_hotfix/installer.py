@@ -23,9 +23,11 @@ from typing import Any
 
 import wrapt
 
-from . import HotfixRefused, coverage, crossrank, detection, incidents, registry
+from . import coverage, crossrank, detection, incidents, registry
 from . import settings as settings_module
+from .__about__ import __version__
 from .detection import Detection
+from .errors import HotfixRefused
 from .patching import Undo, wrap_attribute
 from .registry import Copy, Fix
 
@@ -112,7 +114,7 @@ def _arm_audit(settings: settings_module.Settings) -> None:
     try:
         from . import audit
 
-        audit.arm(settings)
+        audit.arm(settings, applied_fingerprint)
     except Exception as exc:
         incidents.report("audit", "arming the audit", exc)
 
@@ -246,17 +248,15 @@ def _after_model_init(record: CopyRecord, wrapped: Any, instance: Any, args: tup
                       kwargs: dict[str, Any]) -> None:
     """Once a model exists: refuse a configuration this copy is not covered for, log the
     process's summary line (once) and compare ranks."""
-    from . import reporting
-
     wrapped(*args, **kwargs)
     coverage.check(record.detection, record.fixes, instance.ddp_config)
     global _summary_logged
     if not _summary_logged:
         _summary_logged = True
-        log.info("%s", reporting.summary())
+        log.info("%s", summary())
     assert _state.settings is not None
     try:
-        crossrank.check(reporting.applied_fingerprint(), _state.settings)
+        crossrank.check(applied_fingerprint(), _state.settings)
     except crossrank.RankMismatch:
         raise
     except Exception as exc:  # e.g. a process group whose store cannot set keys
@@ -317,3 +317,25 @@ def _refuse(found: Detection) -> None:
     if _state.settings.strict:
         raise HotfixRefused(message + " (MFSDP_HOTFIX=strict)")
     log.warning(message)
+
+
+def summary() -> str:
+    """One line: what this process patched."""
+    parts = []
+    for record in view()[2]:
+        found = record.detection
+        applied = ", ".join(record.applied) or "nothing to apply"
+        parts.append(f"{found.copy.label} {found.version or '?'} "
+                     + (f"era {found.era.name}: {applied}" if found.era else "REFUSED"))
+    return "mfsdp_hotfix: " + ("; ".join(parts) or "no Megatron-FSDP copy imported")
+
+
+def applied_fingerprint() -> dict[str, Any]:
+    """The short description of this process's patching that ranks compare."""
+    _, installed, records = view()
+    return {"mfsdp_hotfix": __version__, "installed": installed,
+            "copies": sorted(
+                (r.detection.copy.package, r.detection.version or "?",
+                 r.detection.era.name if r.detection.era else "refused",
+                 ",".join(sorted(r.applied)))
+                for r in records)}

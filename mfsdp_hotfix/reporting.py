@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import __version__, coverage, detection, incidents, installer, registry, trigger
+from . import coverage, detection, incidents, installer, registry, trigger
 from . import settings as settings_module
+from .__about__ import __version__
 from .installer import CopyRecord
 from .registry import Copy
 
@@ -67,28 +68,6 @@ def status() -> dict[str, Any]:
         "copies": copies,
         "failures": incidents.failures(),
     }
-
-
-def summary() -> str:
-    """One line: what this process patched."""
-    parts = []
-    for record in installer.view()[2]:
-        found = record.detection
-        applied = ", ".join(record.applied) or "nothing to apply"
-        parts.append(f"{found.copy.label} {found.version or '?'} "
-                     + (f"era {found.era.name}: {applied}" if found.era else "REFUSED"))
-    return "mfsdp_hotfix: " + ("; ".join(parts) or "no Megatron-FSDP copy imported")
-
-
-def applied_fingerprint() -> dict[str, Any]:
-    """The short description of this process's patching that ranks compare."""
-    _, installed, records = installer.view()
-    return {"mfsdp_hotfix": __version__, "installed": installed,
-            "copies": sorted(
-                (r.detection.copy.package, r.detection.version or "?",
-                 r.detection.era.name if r.detection.era else "refused",
-                 ",".join(sorted(r.applied)))
-                for r in records)}
 
 
 def _hotfix_state(settings: settings_module.Settings, installed: bool,

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -35,13 +36,15 @@ _lock = threading.RLock()
 _audit: _Audit | None = None
 
 
-def arm(settings: Settings) -> None:
-    """Start auditing this process (idempotent); ``settings.audit_path`` must be set."""
+def arm(settings: Settings, applied: Callable[[], dict[str, Any]]) -> None:
+    """Start auditing this process (idempotent); ``settings.audit_path`` must be set.
+    ``applied()`` describes the hotfix's patching (``installer.applied_fingerprint``: passed in,
+    because the installer is the layer above)."""
     global _audit
     with _lock:
         if _audit is not None or settings.audit_path is None:
             return
-        _audit = _Audit(settings)
+        _audit = _Audit(settings, applied)
         try:
             _audit.start()
         except Exception as exc:
@@ -71,9 +74,10 @@ def disarm() -> bool:
 
 
 class _Audit:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, applied: Callable[[], dict[str, Any]]) -> None:
         assert settings.audit_path is not None
         self.settings = settings
+        self.applied = applied
         self.path = os.path.abspath(settings.audit_path)
         self.pid = os.getpid()
         self.host = socket.gethostname()
@@ -179,7 +183,9 @@ class _Audit:
             return 0
 
     def snapshot(self, final: bool = False) -> dict[str, Any]:
-        fixes = _applied_fixes()
+        # per copy package, the fixes the hotfix applied in this process (none when it is off)
+        fixes = {package: [f for f in applied.split(",") if f]
+                 for package, _, _, applied in self.applied()["copies"]}
         rank = self.rank()
         return {"rank": rank, "world_size": self.group[2] if self.group else None,
                 "host": self.host, "pid": self.pid, "final": final,
@@ -244,11 +250,3 @@ def _process_group() -> tuple[Any, int, int] | None:
     except Exception:
         store = None
     return store, dist.get_rank(), dist.get_world_size()
-
-
-def _applied_fixes() -> dict[str, list[str]]:
-    """Per copy package, the fixes the hotfix applied in this process (none when it is off)."""
-    from .. import reporting
-
-    return {package: [f for f in fixes.split(",") if f]
-            for package, _, _, fixes in reporting.applied_fingerprint()["copies"]}

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from conftest import run_python
 
-from mfsdp_hotfix import audit, incidents
+from mfsdp_hotfix import audit, incidents, installer
 from mfsdp_hotfix.settings import Settings
 
 
@@ -19,8 +19,12 @@ def fresh_incidents(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(incidents, "_failed", {})
 
 
+def _audit(path: str) -> Any:
+    return audit._Audit(Settings(audit_path=path), installer.applied_fingerprint)
+
+
 def _trained(path: str, group: Any = None) -> Any:
-    state = audit._Audit(Settings(audit_path=path))
+    state = _audit(path)
     state.steps, state.group = 1, group
     return state
 
@@ -73,7 +77,7 @@ def test_a_bookkeeping_error_disables_the_audit_with_one_warning(
 
 
 def test_a_process_that_never_trained_writes_nothing(tmp_path: Path) -> None:
-    state = audit._Audit(Settings(audit_path=str(tmp_path / "audit")))
+    state = _audit(str(tmp_path / "audit"))
     state.finish()
     assert list(tmp_path.iterdir()) == []
 
@@ -114,7 +118,7 @@ def test_on_even_with_the_hotfix_off(fsdp_release: Any, tmp_path: Path) -> None:
 
 
 def test_the_rank_file_is_rewritten_after_every_finish_grad_sync(tmp_path: Path) -> None:
-    state = audit._Audit(Settings(audit_path=str(tmp_path / "audit")))
+    state = _audit(str(tmp_path / "audit"))
     state.group = (None, 0, 1)
     for step in (1, 2, 3):
         state.after_step()
