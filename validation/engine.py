@@ -25,17 +25,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import run_matrix
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 WORK = os.environ.get("MFSDP_VAL_WORK", "/tmp/mfsdp_val")
-CORE_PKG = "megatron.core.distributed.fsdp.src.megatron_fsdp"
-RELEASES = {  # short name -> (wheel glob, import path)
-    "fsdp-0.4.0": ("megatron_fsdp-0.4.0-*.whl", "megatron_fsdp"),
-    "fsdp-0.5.1": ("megatron_fsdp-0.5.1-*.whl", "megatron_fsdp"),
-    "fsdp-0.6.1": ("megatron_fsdp-0.6.1-*.whl", "megatron_fsdp"),
-    "core-0.18.2": ("megatron_core-0.18.2-*.whl", CORE_PKG),
-    "core-0.19.2": ("megatron_core-0.19.2-*.whl", CORE_PKG),
-}
+# short name -> (wheel glob, import path), from the one release table (run_matrix.RELEASES)
+RELEASES = {name: (pattern, pkg) for name, pattern, pkg in run_matrix.RELEASES}
 TE_RC = "/tmp/te-setup.rc"
 TE_ENV = "/tmp/te-env.sh"
 

@@ -44,15 +44,10 @@ LONG_FAULTS = {"seed": 20, "budget_ms": 1500.0, "rs": {"p": 0.4, "max_ms": 10.0}
 def calibrate() -> dict[str, Any]:
     """Cycles of ``torch.cuda._sleep`` per millisecond, measured with CUDA events (in a child
     process, so that this driver holds no CUDA context)."""
-    code = ("import torch,json\ntorch.cuda.init()\nres=[]\n"
-            "for n in (1_000_000, 10_000_000, 50_000_000):\n"
-            "  for _ in range(3):\n"
-            "    s,e=torch.cuda.Event(enable_timing=True),torch.cuda.Event(enable_timing=True)\n"
-            "    s.record(); torch.cuda._sleep(n); e.record(); torch.cuda.synchronize()\n"
-            "    res.append((n, s.elapsed_time(e)))\n"
-            "big=sorted(n/ms for n,ms in res if n==50_000_000)\n"
-            "print(json.dumps({'cycles_per_ms': big[len(big)//2], 'samples': res,"
-            " 'gpu': torch.cuda.get_device_name(0), 'torch': torch.__version__}))")
+    code = (f"import json, sys, torch\nsys.path.insert(0, {HERE!r})\nimport run_matrix\n"
+            "out = run_matrix.calibrate()\n"
+            "out.update(gpu=torch.cuda.get_device_name(0), torch=torch.__version__)\n"
+            "print(json.dumps(out))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     try:
         return json.loads(r.stdout.strip().splitlines()[-1])
