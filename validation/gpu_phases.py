@@ -30,8 +30,8 @@ import fuzz  # noqa: E402
 import run_matrix  # noqa: E402
 import te_matrix  # noqa: E402
 
-ALL = list(engine.RELEASES)
-PHASES = ("smoke", "fuzz", "te", "long", "oracles", "maxpool")
+ALL = list(run_matrix.RELEASED)
+PHASES = ("smoke", "fuzz", "te", "long", "oracles", "maxpool", "nslot")
 LONG = dict(hidden=256, units=[{"ffn": f, "norm": i == 3} for i, f in
                                enumerate((512, 1024, 768, 512, 1024, 256))],
             tokens=1024, microbatches=4, steps=20, optimizer="adam", lr=1e-3, dtype="fp32",
@@ -145,6 +145,11 @@ def phase_jobs(phase: str, a: argparse.Namespace, te: bool) -> list[dict[str, An
         return te_matrix.plan([r for r in releases if r in te_matrix.MAXPOOL_RELEASES],
                               layers=te_matrix.MAXPOOL_LAYERS, dtypes=("fp32",),
                               phase="maxpool", size={"maxpool": True})
+    if phase == "nslot":
+        return te_matrix.plan([r for r in releases if r in te_matrix.NSLOT_RELEASES]
+                              or list(te_matrix.NSLOT_RELEASES), layers=te_matrix.NSLOT_LAYERS,
+                              dtypes=("fp32",), phase="nslot",
+                              size={"buffer_count": te_matrix.NSLOT_COUNT})
     if phase == "long":
         return long_jobs(releases)
     if phase == "oracles":

@@ -239,7 +239,9 @@ def _run(proc: Process, s: dict[str, Any], res: dict[str, Any]) -> None:
         outer_dp_sharding_strategy="no_shard", overlap_grad_reduce=True, overlap_param_gather=True,
         average_in_collective=False, fsdp_double_buffer=bool(s["db"]), check_for_nan_in_grad=False,
         # the second double-buffer allocator (megatron-fsdp 0.6, megatron-core 0.19)
-        **({"megatron_fsdp_max_pool_double_buffer": True} if s.get("maxpool") else {}))
+        **({"megatron_fsdp_max_pool_double_buffer": True} if s.get("maxpool") else {}),
+        # N-slot pools (NVIDIA PR #6316); a release without the field raises TypeError naming it
+        **({"fsdp_buffer_count": int(s["buffer_count"])} if s.get("buffer_count") else {}))
     dist_index = proc.mfpkg.FSDPDistributedIndex(device_mesh=proc.mesh, dp_shard_dim="dp",
                                                  tp_dim="tp")
     model = proc.mfpkg.MegatronFSDP(module, dist_index, ddp_config=cfg,

@@ -34,7 +34,12 @@ RELEASES = [  # (short name, wheel glob, import path)
     ("fsdp-0.6.1", "megatron_fsdp-0.6.1-*.whl", "megatron_fsdp"),
     ("core-0.18.2", "megatron_core-0.18.2-*.whl", CORE_PKG),
     ("core-0.19.2", "megatron_core-0.19.2-*.whl", CORE_PKG),
+    # NVIDIA PR #6316 (fsdp_buffer_count, N-slot pools), not released: its megatron_fsdp folder
+    # zipped from a Megatron-LM clone by `validation/pack_tree.py pull-request/6316`
+    ("pr6316", "megatron_fsdp-pr6316-*.zip", "megatron_fsdp"),
 ]
+# the phases' default release list: what users can install
+RELEASED = [r[0] for r in RELEASES if not r[0].startswith("pr")]
 REL = {r[0]: r for r in RELEASES}
 
 # correctness model: small enough that 20+ steps of every case fit, big enough to have work

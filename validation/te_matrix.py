@@ -34,6 +34,11 @@ DELAYS = (0, 20)
 # MaxPoolAllocator (issue 21): the releases that have it, the layers that matter most
 MAXPOOL_RELEASES = ("fsdp-0.6.1", "core-0.19.2")
 MAXPOOL_LAYERS = LAYERS[:4]
+# N-slot pools (NVIDIA PR #6316, fsdp_buffer_count): the emulated contract and the TE layers
+# that matter most, with a pool of three slots
+NSLOT_RELEASES = ("pr6316",)
+NSLOT_LAYERS = [("emulated", True, False)] + LAYERS[:4]
+NSLOT_COUNT = 3
 VARIANTS = {"shipped": "shipped-audit", "hotfix": "hotfix-audit"}
 
 

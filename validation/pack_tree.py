@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Zip the ``megatron_fsdp`` package of an unreleased NVIDIA/Megatron-LM ref for the GPU phases.
+
+    python3 validation/pack_tree.py REF [--git-dir DIR] [--name NAME] [--out validation/wheels]
+
+REF is a ref of a local clone (``pull-request/6316``, ``refs/pull/6316/head``, ``main``); the clone
+is ``--git-dir`` or ``$MFSDP_TEST_MEGATRON_LM`` (a git dir). The zip holds the vendored
+``megatron/core/distributed/fsdp/src/megatron_fsdp`` folder laid out as the standalone
+``megatron_fsdp`` package, which is how the megatron-fsdp wheel is built from it, and no
+dist-info: a worker imports it as a source checkout on PYTHONPATH. ``run_matrix.RELEASES`` finds
+it by the name ``megatron_fsdp-NAME-COMMIT.zip``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+
+SRC = "megatron/core/distributed/fsdp/src/megatron_fsdp/"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("ref")
+    p.add_argument("--git-dir", default=os.environ.get("MFSDP_TEST_MEGATRON_LM"),
+                   help="the clone's git dir (default: $MFSDP_TEST_MEGATRON_LM)")
+    p.add_argument("--name", default="pr6316", help="the release's short name in run_matrix")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "wheels"))
+    a = p.parse_args()
+    if not a.git_dir:
+        p.error("no clone: pass --git-dir or set MFSDP_TEST_MEGATRON_LM")
+    git = ["git", "--git-dir", a.git_dir]
+    commit = subprocess.run(git + ["rev-parse", "--verify", a.ref + "^{commit}"],
+                            capture_output=True, text=True)
+    if commit.returncode != 0:
+        p.error(f"{a.ref!r} is not a ref of {a.git_dir}")
+    sha = commit.stdout.strip()
+    archive = subprocess.run(git + ["archive", "--format=tar", sha, SRC], capture_output=True,
+                             check=True).stdout
+    os.makedirs(a.out, exist_ok=True)
+    target = os.path.join(a.out, f"megatron_fsdp-{a.name}-{sha[:10]}.zip")
+    files = 0
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar, \
+            zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as z:
+        for member in tar.getmembers():
+            if member.isfile():
+                data = tar.extractfile(member).read()  # type: ignore[union-attr]
+                z.writestr("megatron_fsdp/" + member.name[len(SRC):], data)
+                files += 1
+    print(f"{target}: {files} files of {a.ref} @ {sha[:10]}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
