@@ -53,12 +53,14 @@ def present() -> list[dict[str, Any]]:
         init = Path(file) if file else _on_path(copy)
         if init is None:
             continue
-        root = init.parent
-        for _ in package(copy).split("."):
-            root = root.parent
-        found.append(describe(copy, init.parent, module is not None,
-                              versions.installed_version(copy.distribution, near=str(root))))
+        found.append(describe(copy, init.parent, module is not None, label(copy, init.parent)))
     return found
+
+
+def label(copy: Copy, package_dir: Path) -> str | None:
+    """The installed version of the distribution whose v2 package lies in ``package_dir``."""
+    return versions.installed_version(copy.distribution,
+                                      near=str(package_dir.parents[package(copy).count(".")]))
 
 
 def _on_path(copy: Copy) -> Path | None:
