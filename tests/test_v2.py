@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import releases
@@ -184,3 +185,13 @@ def test_v2_on_main_orders_every_reuse_of_gradient_storage(tmp_path: Path) -> No
                                         strict=True):
         assert found.pop("reduce_scatters") == found.pop("rs_input_writes") == 9  # 3 units x 3
         assert {rule for rule, count in found.items() if count} == broken, (without, found)
+
+
+def test_status_names_an_installed_v2_package_that_is_not_imported(fsdp_release: Any) -> None:
+    code = ("import sys, json; sys.modules['torch'] = None; import mfsdp_hotfix; "
+            "print('STATUS' + json.dumps(mfsdp_hotfix.status()['v2_copies']))")
+    out = run_python(code, fsdp_release("0.6.1"))
+    (named,) = json.loads(out.stdout.split("STATUS", 1)[1])
+    assert (named["package"], named["version"], named["imported"]) == (
+        "megatron_fsdp.experimental", "0.6.1", False)
+    assert named["path"] == str(fsdp_release("0.6.1") / "megatron_fsdp" / "experimental")
