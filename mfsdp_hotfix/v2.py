@@ -18,6 +18,7 @@ from . import registry, versions
 from .registry import Copy
 
 SUBPACKAGE = "experimental"
+ERA = "v2"  # what the audit's rank files give as a v2 package's era
 # Defines ``FsdpModule``, one per unit that v2's ``fully_shard`` shards: built only by a v2 job
 # (megatron-core's adapter imports the package in every job, v1 or v2).
 MODULE = "module"

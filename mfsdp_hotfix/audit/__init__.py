@@ -232,7 +232,7 @@ class _Audit:
             return
         self.finished = True
         data = self.snapshot(final=True)
-        if not self.steps and not any(c["reuses"] or c["crashed"] or c["era"] == "v2"
+        if not self.steps and not any(c["reuses"] or c["crashed"] or c["era"] == v2.ERA
                                       for c in data["copies"]):
             return  # a process that never trained (a helper that imported Megatron)
         self.write(final=True)

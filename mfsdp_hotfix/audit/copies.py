@@ -99,7 +99,8 @@ def watch_v2_module(copy: Copy, module: ModuleType, built: Callable[[CopyAudit],
     """Call ``built`` with the v2 package's (unwatched) record after every ``FsdpModule`` is
     built: only a v2 job builds one, while megatron-core imports the package in every job."""
     package_dir = Path(module.__file__ or "?").parent
-    record = CopyAudit(v2.package(copy), v2.label(copy, package_dir), "v2", note=v2.AUDIT_NOTE)
+    record = CopyAudit(v2.package(copy), v2.label(copy, package_dir), v2.ERA,
+                       note=v2.AUDIT_NOTE)
 
     def initialised(wrapped: Any, instance: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
