@@ -70,11 +70,11 @@ def judge(folder: str) -> dict[str, Any]:
             v2_copies.append(v2.describe(owner, package_dir, False, _label(
                 owner.distribution, package_dir, v2.package(owner))))
     if not copies and not v2_copies:
+        packages = [c.package for c in registry.COPIES] + [
+            name.rsplit(".", 1)[0] for name in registry.REFUSED_MODULES]
         raise TreeError(f"{folder}: no Megatron-FSDP copy found (looked for "
-                        + ", ".join(f"{c.package.replace('.', '/')}/{BUFFER_FILE}"
-                                    for c in registry.COPIES)
-                        + " and megatron/core/distributed/custom_fsdp at any depth)",
-                        NOTHING_FOUND)
+                        + ", ".join(f"{p.replace('.', '/')}/{BUFFER_FILE}" for p in packages)
+                        + " at any depth)", NOTHING_FOUND)
     return {"mfsdp_hotfix": __version__, "path": str(root),
             "scope": f"the folder {root}, read from disk (nothing imported)",
             "settings": {"mode": settings.mode, "disabled_fixes": sorted(settings.disabled_fixes),
