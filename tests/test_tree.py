@@ -135,6 +135,9 @@ def test_cli_text_json_and_check(capsys: pytest.CaptureFixture[str], tmp_path: P
     code, out, _ = run_cli(capsys, "--path", release)
     assert code == 0 and "- megatron-fsdp 0.5.1: era B" in out
     assert "megatron_fsdp/package_info.py states 0.5.1 (not used as the label)" in out
+    code, out, _ = run_cli(capsys, "--path", str(releases.unpacked("megatron-fsdp", "0.6.1")))
+    assert code == 0 and "- megatron-fsdp v2 (experimental) 0.6.1: the hotfix does nothing " \
+        "here: Megatron-FSDP v2 has no get_main_grad" in out
     code, out, _ = run_cli(capsys, "--path", release, "--json", "--check")
     data = json.loads(out)
     assert code == 0 and data["unfixed"] == [] and data["copies"][0]["era"] == "B"
