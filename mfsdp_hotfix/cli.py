@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import bootstrap, reporting, settings, status
+from . import bootstrap, reporting, settings, status, tree
 from .selftest.gpu_spec import LAYERS as GPU_LAYERS
 
 # Exit codes of ``status --check``.
@@ -58,6 +58,11 @@ def _main(argv: list[str] | None) -> int:
     show.add_argument("--json", action="store_true", help="one JSON object on stdout")
     show.add_argument("--check", action="store_true",
                       help=f"exit {CHECK_UNFIXED} if an affected copy would be left unfixed")
+    show.add_argument("--path", metavar="DIR",
+                      help="judge the copies in DIR instead (an unpacked release or wheel, a "
+                           "site-packages folder, a Megatron-LM checkout), read from their source "
+                           f"without importing them; exit {tree.NOT_A_FOLDER} if DIR is not a "
+                           f"readable folder, {tree.NOTHING_FOUND} if it holds no copy")
     test = commands.add_parser(
         "selftest", help="prove the fix on this install (CPU, 2 ranks)",
         description="Train a small model with this environment's torch and Megatron-FSDP on CPU "
@@ -130,7 +135,7 @@ def _main(argv: list[str] | None) -> int:
                                     ":$PYTHONPATH")
     args = parser.parse_args(argv)
     if args.command == "status":
-        return _status(args.json, args.check)
+        return _status(args.json, args.check, args.path)
     if args.command == "selftest":
         if args.gpu:
             return _gpu_selftest(args)
@@ -184,7 +189,9 @@ def _unfixed(data: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _status(as_json: bool, check: bool) -> int:
+def _status(as_json: bool, check: bool, path: str | None) -> int:
+    if path is not None:
+        return _folder_status(path, as_json, check)
     data = report()
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
@@ -210,24 +217,68 @@ def _format(data: dict[str, Any]) -> str:
     else:
         lines.append(f"Megatron-FSDP copies ({reporting.SHAPE_MEANING}):")
     for copy in data["copies"]:
-        lines.append(f"- {copy['copy']} {copy['version'] or '(no version metadata)'}: "
-                     + (f"REFUSED: {copy['reason']}" if copy["refused"] else
-                        f"era {copy['era']}, {copy['defect']}"))
-        lines.append(f"    path: {copy['path']}")
-        if copy["without_hotfix"]:
-            lines.append(f"    without the hotfix: {copy['without_hotfix']}")
-        for name, found in copy["functions"].items():
-            lines.append(f"    {_shape_line(name, found, copy['fingerprints'].get(name))}")
-        for note in copy["notes"]:
-            lines.append(f"    note: {note}")
-        for fix, state in copy["fixes"].items():
-            lines.append(f"    {fix}: {state['state']} ({state['reason']})")
+        lines += _copy_lines(copy)
+    lines += _v2_lines(data["v2_copies"])
     for fix, why in data["failures"].items():
         lines.append(f"  FAILED {fix}: {why}")
     if data["unfixed"]:
         lines.append("Left unfixed:")
         lines += [f"  {p}" for p in data["unfixed"]]
     return "\n".join(lines)
+
+
+def _copy_lines(copy: dict[str, Any]) -> list[str]:
+    """One copy's verdict, shapes, notes and fixes, as ``status`` prints them."""
+    lines = [f"- {copy['copy']} {copy['version'] or '(no version metadata)'}: "
+             + (f"REFUSED: {copy['reason']}" if copy["refused"] else
+                f"era {copy['era']}, {copy['defect']}"),
+             f"    path: {copy['path']}"]
+    if copy["without_hotfix"]:
+        lines.append(f"    without the hotfix: {copy['without_hotfix']}")
+    for name, found in copy["functions"].items():
+        lines.append(f"    {_shape_line(name, found, copy['fingerprints'].get(name))}")
+    for note in copy["notes"]:
+        lines.append(f"    note: {note}")
+    for fix, state in copy["fixes"].items():
+        lines.append(f"    {fix}: {state['state']} ({state['reason']})")
+    return lines
+
+
+def _v2_lines(v2_copies: list[dict[str, Any]]) -> list[str]:
+    return [f"- {v2['copy']} {v2['version'] or '(no version metadata)'}"
+            + (" (imported)" if v2["imported"] else "")
+            + f": the hotfix does {v2['hotfix']} here: {v2['reason']}\n    path: {v2['path']}"
+            for v2 in v2_copies]
+
+
+def _folder_status(path: str, as_json: bool, check: bool) -> int:
+    """``status --path DIR``: every copy in DIR, judged from its source."""
+    try:
+        data = tree.judge(path)
+    except tree.TreeError as exc:
+        if as_json:
+            print(json.dumps({"path": path, "error": str(exc), "copies": [], "v2_copies": []}))
+        print(f"mfsdp-hotfix status --path: {exc}", file=sys.stderr)
+        return exc.exit_status
+    data["unfixed"] = _unfixed(data)
+    if as_json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return CHECK_UNFIXED if check and data["unfixed"] else CHECK_OK
+    lines = [f"mfsdp-hotfix {data['mfsdp_hotfix']}, for {data['scope']}:"]
+    lines += [f"  warning: {p}" for p in data["settings"]["problems"]]
+    if data["copies"]:
+        lines.append(f"Megatron-FSDP copies ({reporting.SHAPE_MEANING}; labels from the "
+                     "dist-info beside each copy only):")
+    for copy in data["copies"]:
+        lines += _copy_lines(copy)
+        lines += [f"    {name} states {version} (not used as the label)"
+                  for name, version in copy["package_info"].items()]
+    lines += _v2_lines(data["v2_copies"])
+    if data["unfixed"]:
+        lines.append("Left unfixed:")
+        lines += [f"  {p}" for p in data["unfixed"]]
+    print("\n".join(lines))
+    return CHECK_UNFIXED if check and data["unfixed"] else CHECK_OK
 
 
 def _shape_line(qualname: str, found: dict[str, Any], fingerprint: str | None) -> str:

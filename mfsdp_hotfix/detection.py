@@ -84,15 +84,16 @@ def detect_module(copy: Copy, buffer_module: ModuleType) -> Detection:
     return _classify(copy, str(buffer_file.parent), sources, problems)
 
 
-def detect_file(copy: Copy, buffer_file: Path) -> Detection:
-    """Classify ``copy`` from its ``param_and_grad_buffer.py`` without importing it (no torch)."""
+def detect_file(copy: Copy, buffer_file: Path, installed: bool = True) -> Detection:
+    """Classify ``copy`` from its ``param_and_grad_buffer.py`` without importing it (no torch).
+    ``installed`` False: a folder read from disk, whose label comes only from metadata beside it."""
     try:
         tree = fingerprints.parse_file(buffer_file)
     except fingerprints.SourceUnavailable as exc:
-        return _classify(copy, str(buffer_file.parent), {}, [str(exc)])
+        return _classify(copy, str(buffer_file.parent), {}, [str(exc)], installed)
     sources, problems = _sources(tree.source)
     sources.update(_gate_sources(buffer_file))
-    return _classify(copy, str(buffer_file.parent), sources, problems)
+    return _classify(copy, str(buffer_file.parent), sources, problems, installed)
 
 
 def find_installed(copy: Copy, search_path: list[str] | None = None) -> Path | None:
@@ -117,9 +118,10 @@ def match(qualname: str, source: str) -> tuple[Shape | None, str | None]:
     return None, None
 
 
-def _classify(copy: Copy, path: str, sources: dict[str, str | None], problems: list[str]
-              ) -> Detection:
-    version = versions.installed_version(copy.distribution, near=_sys_path_entry(copy, path))
+def _classify(copy: Copy, path: str, sources: dict[str, str | None], problems: list[str],
+              installed: bool = True) -> Detection:
+    version = versions.installed_version(copy.distribution, near=_sys_path_entry(copy, path),
+                                         fallback=installed)
     prints = {name: fingerprints.fp_code(src) if src is not None else None
               for name, src in sources.items()}
     found = {name: match(name, src) if src is not None else (None, None)
@@ -192,11 +194,15 @@ def _describe(qualname: str, shape: Shape | None, how: str | None) -> dict[str, 
 
 def refusal(module_name: str, module: ModuleType) -> Detection:
     """The record for a copy that :data:`registry.REFUSED_MODULES` lists by import path."""
+    return refused_at(module_name, Path(getattr(module, "__file__", "") or "?").parent,
+                      versions.installed_version("megatron-core"))
+
+
+def refused_at(module_name: str, package_dir: Path, version: str | None) -> Detection:
+    """The refusal record of the :data:`registry.REFUSED_MODULES` copy found in ``package_dir``."""
     label, why = registry.REFUSED_MODULES[module_name]
     copy = Copy(label, module_name.rsplit(".", 1)[0], "megatron-core")
-    version = versions.installed_version(copy.distribution)
-    return Detection(copy, str(Path(getattr(module, "__file__", "") or "?").parent), version,
-                     {}, {}, {}, None, why)
+    return Detection(copy, str(package_dir), version, {}, {}, {}, None, why)
 
 
 def _sources(source: Callable[[str], str]) -> tuple[dict[str, str | None], list[str]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import coverage, detection, incidents, installer, registry, trigger
+from . import coverage, detection, incidents, installer, registry, trigger, v2
 from . import settings as settings_module
 from .__about__ import __version__
 from .installer import CopyRecord
@@ -66,6 +66,7 @@ def status() -> dict[str, Any]:
                      "cross_rank_check": settings.cross_rank_check,
                      "problems": list(settings.problems)},
         "copies": copies,
+        "v2_copies": v2.present(),
         "failures": incidents.failures(),
     }
 
@@ -91,12 +92,17 @@ def _not_imported(copy: Copy, settings: settings_module.Settings) -> list[dict[s
     buffer_file = detection.find_installed(copy)
     if buffer_file is None:
         return []
-    found = detection.detect_file(copy, buffer_file)
+    return [judged_offline(detection.detect_file(copy, buffer_file), settings)]
+
+
+def judged_offline(found: detection.Detection, settings: settings_module.Settings
+                   ) -> dict[str, Any]:
+    """A copy read from its source file, as ``status`` lists it: what would apply, and why."""
     fixes: dict[str, dict[str, str]] = {}
     states: dict[str, tuple[str, str]] = {}
     for fix in [] if found.refused else registry.FIXES:
         state, reason = states[fix.id] = installer.fix_state(fix, found, settings)
         fixes[fix.id] = {"state": state,
                          "reason": fix.summary if state == installer.WOULD_APPLY else reason}
-    return [{**found.as_dict(), "imported": False, "fixes": fixes,
-             "limits": coverage.limits(found, states), "models_repaired": 0}]
+    return {**found.as_dict(), "imported": False, "fixes": fixes,
+            "limits": coverage.limits(found, states), "models_repaired": 0}

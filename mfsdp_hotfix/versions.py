@@ -17,16 +17,20 @@ NONE, INVALID, RELEASE = "none", "invalid", "release"
 LOCAL, DEV, PRE_RELEASE, POST_RELEASE = "local", "dev", "pre-release", "post-release"
 
 
-def installed_version(distribution: str, near: str | None = None) -> str | None:
+def installed_version(distribution: str, near: str | None = None, fallback: bool = True
+                      ) -> str | None:
     """The version string of ``distribution``, or None when no metadata is found.
 
     ``near`` is the folder the package was imported from: when given, metadata found next to it
     (the same ``sys.path`` entry) is preferred, so that two copies on one path report their own.
+    ``fallback`` False: only ``near`` counts (a folder read from disk, not this environment's).
     """
     if near is not None:
         for dist in metadata.distributions(path=[near]):
             if _normalise(dist.metadata["Name"] or "") == _normalise(distribution):
                 return dist.version
+        if not fallback:
+            return None
     try:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .. import incidents, registry
+from .. import incidents, registry, v2
 from ..settings import Settings
 from . import report
-from .copies import CopyAudit, watch_buffer_module, watch_model_module
+from .copies import CopyAudit, watch_buffer_module, watch_model_module, watch_v2_module
 from .observer import Observer
 
 log = logging.getLogger("mfsdp_hotfix")
@@ -102,6 +102,8 @@ class _Audit:
             wrapt.register_post_import_hook(functools.partial(self._buffer_imported, copy),
                                             copy.buffer_module)
             wrapt.register_post_import_hook(self._model_imported, copy.model_module)
+            wrapt.register_post_import_hook(functools.partial(self._v2_imported, copy),
+                                            f"{v2.package(copy)}.{v2.MODULE}")
         for name in registry.REFUSED_MODULES:
             wrapt.register_post_import_hook(self._refused_imported, name)
         atexit.register(finish)
@@ -155,6 +157,24 @@ class _Audit:
                         self._undo_models.append(undo)
         except Exception as exc:
             self.fail(f"auditing {module.__name__}", exc)
+
+    def _v2_imported(self, copy: registry.Copy, module: ModuleType) -> None:
+        if not self._live():
+            return
+        try:
+            with _lock:
+                self._undo_models.append(watch_v2_module(copy, module, self._v2_built,
+                                                         self.fail))
+        except Exception as exc:
+            self.fail(f"auditing {module.__name__}", exc)
+
+    def _v2_built(self, record: CopyAudit) -> None:
+        """A v2 model: listed unwatched, and the rank file written now (v2 has no
+        ``finish_grad_sync`` after which the file would be)."""
+        with _lock:
+            if record.package not in self.copies:
+                self.copies[record.package] = record
+                self.write()
 
     def _refused_imported(self, module: ModuleType) -> None:
         label, _ = registry.REFUSED_MODULES[module.__name__]
@@ -212,7 +232,8 @@ class _Audit:
             return
         self.finished = True
         data = self.snapshot(final=True)
-        if not self.steps and not any(c["reuses"] or c["crashed"] for c in data["copies"]):
+        if not self.steps and not any(c["reuses"] or c["crashed"] or c["era"] == v2.ERA
+                                      for c in data["copies"]):
             return  # a process that never trained (a helper that imported Megatron)
         self.write(final=True)
         self._summarise(data)

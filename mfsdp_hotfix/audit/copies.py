@@ -5,17 +5,19 @@ the hotfix switched off): the audit judges the ordering, not the code's provenan
 pools, built by any pool allocator class of ``registry.POOL_ALLOCATORS`` the copy has, get the
 slot-reuse rule (``slot_reuse.observe``) and ``MegatronFSDP.finish_grad_sync`` a wrapper after
 which the rank file may be rewritten. A copy whose classes are not the shape the rule needs is
-listed with a note and ``audited: false`` instead, which the summary reads as UNWATCHED.
+listed with a note and ``audited: false`` instead, which the summary reads as UNWATCHED; so is
+a Megatron-FSDP v2 model (:mod:`mfsdp_hotfix.v2`), which has no pool to watch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .. import detection, registry, slot_reuse
+from .. import detection, registry, slot_reuse, v2
 from ..happens_before import Mark
 from ..patching import Undo, wrap_attribute
 from ..registry import Copy
@@ -90,3 +92,23 @@ def watch_model_module(module: ModuleType, after_step: Callable[[], None],
         return result
 
     return wrap_attribute(model, "finish_grad_sync", finished, MARKER)
+
+
+def watch_v2_module(copy: Copy, module: ModuleType, built: Callable[[CopyAudit], None],
+                    on_error: Callable[[str, Exception], None]) -> Undo:
+    """Call ``built`` with the v2 package's (unwatched) record after every ``FsdpModule`` is
+    built: only a v2 job builds one, while megatron-core imports the package in every job."""
+    package_dir = Path(module.__file__ or "?").parent
+    record = CopyAudit(v2.package(copy), v2.label(copy, package_dir), v2.ERA,
+                       note=v2.AUDIT_NOTE)
+
+    def initialised(wrapped: Any, instance: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        result = wrapped(*args, **kwargs)
+        try:
+            built(record)
+        except Exception as exc:
+            on_error("FsdpModule.__init__", exc)
+        return result
+
+    return wrap_attribute(module.FsdpModule, "__init__", initialised, MARKER)
