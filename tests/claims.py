@@ -42,6 +42,7 @@ import functools
 import gzip
 import json
 import re
+import statistics
 import string
 import subprocess
 import sys
@@ -67,14 +68,19 @@ def docs() -> list[Path]:
 @functools.cache
 def record(name: str) -> Any:
     """A record by name: a file under docs/validation (``.json``, ``.json.gz``, ``.txt``),
-    ``configurations.json`` (docs/), or a set the report scripts load: ``report.py cases``
-    (every ``call*.json``), ``audit_report.py cases``, ``gpu_report.py records``."""
+    ``configurations.json`` (docs/), a set the report scripts load: ``report.py cases``
+    (every ``call*.json``), ``audit_report.py cases``, ``gpu_report.py records``; or
+    ``python COMMAND``: the tables a report script prints from the records, each a list of rows
+    ``{header: cell}``."""
     if name == "report.py cases":
         import report
         return report.load(str(VALIDATION))
     if name == "audit_report.py cases":
         import audit_report
         return audit_report.load(str(VALIDATION))
+    if name.startswith("python "):
+        return [[dict(zip(_cells(t[0]), _cells(row), strict=True)) for row in t[2:]]
+                for t in printed_tables(name[len("python "):])]
     if name == "gpu_report.py records":
         import gpu_report
         return gpu_report.load(sorted(str(p) for p in VALIDATION.glob("gpu-*.json.gz")))[0]
@@ -95,6 +101,10 @@ def command_output(command: str) -> str:
     if proc.returncode:
         raise RuntimeError(f"{command} failed: {proc.stderr[-2000:]}")
     return proc.stdout
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in re.split(r"(?<!\\)\|", row.strip())[1:-1]]
 
 
 def printed_tables(command: str) -> list[list[str]]:
@@ -205,6 +215,7 @@ VERSIONS = set().union(*RELEASES.values()) | {
 UPSTREAM_PRS = {"#146", "#5222", "#6316", "#6357", "#125484"}
 COMMITS = {"d98e8a64dd", "f7b65d4a2e", "34daba1", "3ac3396", "55e4482", "6889a05",
            "2905781ddb81", "296a923", "2ef7341"}
+EXIT_STATUSES = {0, 1, 2, 3, 4}  # mfsdp_hotfix's commands (docs/AUDIT.md shows them with verdicts)
 DATES = {"2026-08-22", "2026-12-02", "2026-12-03", "2026-12-04"}
 WORDS = {  # identifiers with a digit in their name
     "ZeRO-1", "ZeRO-2", "ZeRO-3", "z1", "z2", "z3", "H200", "one-H200", "nvidia-h200", "fp32",
@@ -223,11 +234,21 @@ def _release(m: re.Match[str]) -> bool:
 
 IDENTIFIERS: list[tuple[str, str, Callable[[re.Match[str]], bool]]] = [
     ("release", r"\b(?P<pkg>fsdp|core|megatron-fsdp|megatron-core)[- ](?P<version>"
-                r"\d+\.\d+\.\d+(?:rc\d+)?)(?![\w.])", _release),
-    ("version", r"(?<![\w.])\d+\.\d+\.\d+(?:rc\d+)?(?:\+\w*)?(?![\w.])",
+                r"\d+\.\d+\.\d+(?:rc\d+)?)(?!\.?\w)", _release),
+    ("version", r"(?<![\w.])\d+\.\d+\.\d+(?:rc\d+)?(?:\+\w*)?(?!\.?\w)",
      lambda m: m[0].split("+")[0] in VERSIONS),
     ("version series", r"(?<![\w.])\d+\.(?:\d+\.)?x\b",
      lambda m: any(v.startswith(m[0][:-1]) for v in VERSIONS)),
+    ("ZeRO levels", r"\bZeRO-[123](?:(?:/| and | or |, )[123]\b)*", lambda m: True),
+    ("release series", r"\b(?:megatron-core|megatron-fsdp|core|torch)(?: [≤≥<>]=?)? "
+                       r"\d+\.\d+(?:[–-]\d+\.\d+)?(?![\w.]*\d)",
+     lambda m: all(any(v.startswith(x + ".") for v in VERSIONS | {"0.13.0"})
+                   for x in re.findall(r"\d+\.\d+", m[0]))),
+    ("exit status", r"\b(?:[Ee]xit(?:s| status| code)?|status) \(?[0-9]+\b(?: \([A-Z]+\))?"
+                    r"(?:(?:, | or )[0-9]+ \([A-Za-z]+\)?)*", lambda m: all(
+                        int(x) in EXIT_STATUSES for x in re.findall(r"[0-9]+", m[0]))),
+    ("rank", r"\b[Rr]ank 0\b", lambda m: True),
+    ("section", r"§\d+\b", lambda m: m[0] in {"§0", "§1", "§2", "§3", "§4", "§5"}),
     ("Python", r"\bPython 3\.\d+(?:\.\d+)?",
      lambda m: m[0][7:] in {"3.11", "3.11.7", "3.12", "3.12.1", "3.12.3"}),
     ("CUDA", r"\bCUDA 1[23]\.\d\b|\bcu1[23]0\b", lambda m: True),
@@ -289,6 +310,145 @@ CLAIMS: list[Claim] = []
 def claim(file: str, template: str, record_name: str,
           values: Callable[[Any], tuple[Any, ...]]) -> None:
     CLAIMS.append(Claim(file, " ".join(template.split()), record_name, values))
+
+
+# ---------------------------------------------------------------------------------------------
+# What the claims read from the records.
+
+def num(cell: str) -> float:
+    """The first number in a table cell (``**0.573** (0.0086)`` -> 0.573)."""
+    m = re.search(r"-?[0-9]+(?:\.[0-9]+)?(?:e-?[0-9]+)?", cell)
+    if not m:
+        raise ValueError(f"no number in {cell!r}")
+    return float(m[0])
+
+
+def lo_hi(values: list[float]) -> tuple[float, float]:
+    return min(values), max(values)
+
+
+def te_fusion_off(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fusion-off cases of the real-TE matrix the README quotes."""
+    shipped = [r for r in rows if not r["fuse"] and r["variant"] == "shipped"]
+    later = [r for r in shipped if r["release"] != "fsdp-0.4.0" and r["delay_ms"] == 20]
+    wrong = [r["rel_l2"] for r in later if r["outcome"] == "wrong"]
+    oldest = [r for r in shipped if r["release"] == "fsdp-0.4.0" and not r["delay_wgrad"]]
+    hotfix = [r for r in rows if not r["fuse"] and r["variant"] == "hotfix"
+              and not (r["release"] == "fsdp-0.4.0" and r["delay_wgrad"])]
+    assert all(r["outcome"] == "exact" for r in hotfix)
+    return {"wrong": len(wrong), "later": len(later), "l2": lo_hi(wrong),
+            "oldest_exact": sum(r["outcome"] == "exact" for r in oldest), "oldest": len(oldest),
+            "oldest_delays": sorted({r["delay_ms"] for r in oldest}), "hotfix": len(hotfix)}
+
+
+def bench_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [dict(row, release=g["release"], zero=g["zero"]) for g in doc["summary"]
+            for row in g["rows"]]
+
+
+def bench(doc: dict[str, Any], release: str, zero: int, variant: str) -> dict[str, Any]:
+    (row,) = [r for r in bench_rows(doc) if (r["release"], r["zero"], r["variant"]) ==
+              (release, zero, variant)]
+    return row
+
+
+def percent_off(ratio: float) -> float:
+    return round(abs(ratio - 1) * 100, 1)
+
+
+def n_params_b(doc: dict[str, Any]) -> float:
+    (n,) = {r["result"]["n_params"] for r in doc["records"] if r.get("result", {}).get("ok")}
+    return float(n) / 1e9
+
+
+def correctness_l2(tables: list[list[dict[str, str]]], k: int) -> tuple[float, float]:
+    """Range of the shipped double buffer's relative L2 over the delayed columns of table k."""
+    return lo_hi([num(v) for row in tables[k - 1] if row["run"] == "double buffer, as shipped"
+                  for col, v in row.items() if col.startswith("RS delay") and "**" in v])
+
+
+def perf_ratio(tables: list[list[dict[str, str]]], release: str, delay: str) -> float:
+    (row,) = [r for r in tables[-1] if (r["release"], r["RS delay"], r["run"]) ==
+              (release, delay, "db+hotfix")]
+    return num(row["median / upstream-as-shipped median"])
+
+
+def fuzz_counts(rows: list[dict[str, Any]], variant: str) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for r in rows:
+        if r["variant"] == variant:
+            counts = out.setdefault(r["release"], {"seeds": 0, "exact": 0, "wrong": 0,
+                                                   "crash": 0})
+            counts["seeds"] += 1
+            counts[r["outcome"]] += 1
+    return out
+
+
+def selftest_block(text: str, copy: str) -> str:
+    """The one ``selftest --gpu`` run in a record that tested ``copy`` ("megatron-fsdp 0.4.0")."""
+    (block,) = [b for b in text.split("selftest: GPU mode") if f"Megatron-FSDP: {copy} " in b]
+    return block
+
+
+def selftest_line(text: str, run: str) -> list[str]:
+    (line,) = [ln for ln in text.splitlines() if ln.split("  ")[0] == run]
+    return [c for c in line[len(run):].split("  ") if c.strip()]
+
+
+def selftest_seconds(text: str) -> float:
+    """Wall time of the runs: the serialized pair runs at once, then shipped, then hotfix."""
+    secs = {run: float(selftest_line(text, run)[-1]) for run in (
+        "shipped serialized", "hotfix serialized", "shipped", "hotfix")}
+    return max(secs["shipped serialized"], secs["hotfix serialized"]) + secs["shipped"] + \
+        secs["hotfix"]
+
+
+def perf_runs(cases: dict[str, Any], delay: str = "d0") -> dict[tuple[str, str], list[Any]]:
+    """Step-time results of the performance phase by (release, variant), at one delay."""
+    out: dict[tuple[str, str], list[Any]] = {}
+    for label, c in cases.items():
+        parts = label.split("|")
+        if parts[2] == "perf" and parts[4] == delay and (c.get("result") or {}).get(
+                "step_ms_median"):
+            out.setdefault((parts[0], parts[3]), []).append(c["result"])
+    return out
+
+
+def perf_spread_percent(cases: dict[str, Any]) -> float:
+    """The largest run-to-run difference of one variant, in percent of its faster run."""
+    return round(max(max(r["step_ms_median"] for r in rs) / min(r["step_ms_median"] for r in rs)
+                     for d in ("d0", "d2.0") for rs in perf_runs(cases, d).values()) * 100 - 100,
+                 1)
+
+
+def perf_params_b(cases: dict[str, Any]) -> float:
+    """Parameters of the performance model: units x two bias-free Linears h x f."""
+    (n,) = {c["result"]["args"]["units"] * 2 * c["result"]["args"]["hidden"]
+            * c["result"]["args"]["ffn"] for label, c in cases.items()
+            if "|perf|" in label and (c.get("result") or {}).get("args")}
+    return n / 1e9
+
+
+def perf_delays(cases: dict[str, Any]) -> list[str]:
+    return sorted({f"{float(label.split('|')[4][1:]):g}" for label in cases
+                   if label.split("|")[2] == "perf"})
+
+
+def hotfix_cells(tables: list[list[dict[str, str]]]) -> list[str]:
+    """The delayed cells of the hotfix rows of both ZeRO-2 correctness tables."""
+    return [v for t in tables[:2] for row in t if "mfsdp_hotfix" in row["run"]
+            for col, v in row.items() if col.startswith("RS delay")]
+
+
+def only(values: Any) -> Any:
+    """The one value all of ``values`` share (a claim that reads one number from many rows)."""
+    (value,) = set(values)
+    return value
+
+
+def maxpool_audit(rows: list[dict[str, Any]], variant: str) -> tuple[int, int]:
+    return only((r["audit_unordered"], r["audit_reuses"]) for r in rows
+                if r["variant"] == variant and r["delay_ms"] == 20)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,6 +526,93 @@ def main() -> None:
             for line in report.unclaimed:
                 print(line)
     sys.exit(status)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry: claim(FILE, TEMPLATE, RECORD, VALUES). Keep each template a short phrase that
+# occurs once; ``python tests/claims.py --unclaimed FILE`` shows what is left.
+
+README, VAL = "README.md", "docs/VALIDATION.md"
+TE, BENCH = "te-summary.json", "bench-safe-choices-h200.json"
+REPORT, GPU = "python validation/report.py", "python validation/gpu_report.py"
+SELFTEST_DEFAULT = "selftest-gpu-h200-default-route.txt"
+
+claim(README, "a reduce-scatter {} ms slower than usual", TE,
+      lambda rows: (max(r["delay_ms"] for r in rows),))
+claim(README, "wrong gradients in {} of {} fusion-off cases", TE,
+      lambda rows: (te_fusion_off(rows)["wrong"], te_fusion_off(rows)["later"]))
+claim(README, "relative L2 error {:.2f}–{:.2f} against the same run serialized", TE,
+      lambda rows: te_fusion_off(rows)["l2"])
+claim(README, "({} of {} cases exact, at {} and {} ms)", TE,
+      lambda rows: (te_fusion_off(rows)["oldest_exact"], te_fusion_off(rows)["oldest"],
+                    *te_fusion_off(rows)["oldest_delays"]))
+claim(README, "hotfix all {} fusion-off cases", TE, lambda rows: (te_fusion_off(rows)["hotfix"],))
+claim(README, "measured at {:.2f} B parameters", BENCH, lambda doc: (n_params_b(doc),))
+claim(README, "ratios lie between {:.3f} and {:.3f}", BENCH,
+      lambda doc: lo_hi([r["time_ratio"]["median"] for r in bench_rows(doc)]))
+claim(README, "takes {} % more peak memory at ZeRO-3 ({} % less at ZeRO-2)", BENCH,
+      lambda doc: (percent_off(bench(doc, "fsdp-0.6.1", 3, "no-db")["mem_ratio"]["median"]),
+                   percent_off(bench(doc, "fsdp-0.6.1", 2, "no-db")["mem_ratio"]["median"])))
+claim(README, "the fusion-off workaround is about {:.0f} % slower", BENCH,
+      lambda doc: (round(percent_off(max(r["time_ratio"]["median"] for r in bench_rows(doc)
+                                         if r["variant"] == "fuse-off"))),))
+claim(README, "about {:.0f} s of runs plus the start of the command", SELFTEST_DEFAULT,
+      lambda text: (selftest_seconds(text),))
+claim(README, "the shipped run wrong (relative L2 {}, the audit found {} of {} slot reuses",
+      SELFTEST_DEFAULT, lambda text: (selftest_line(text, "shipped")[1],
+                                      *selftest_line(text, "shipped")[3].split("/")))
+claim(README, "with the emulated layer on 0.4.0, {:.0f} s, PASS", "selftest-gpu-h200.txt",
+      lambda text: (selftest_seconds(selftest_block(text, "megatron-fsdp 0.4.0")),))
+claim(README, "relative L2 gradient error {:.2f}–{:.2f} (fused-wgrad units) and {:.2f}–{:.2f} "
+      "(units with a LayerNorm)", REPORT,
+      lambda t: (*correctness_l2(t, 1), *correctness_l2(t, 2)))
+claim(README, "all {} cases ({} releases × {} unit kinds × {} delays) bit-identical", REPORT,
+      lambda t: (len(hotfix_cells(t)), len({r["release"] for r in t[0]}),
+                 len({r["unit"] for r in t[2]}),
+                 sum(c.startswith("RS delay") for c in t[0][0]))
+      if set(hotfix_cells(t)) == {"0 (bit-identical)"} else ())
+claim(README, "speed at {:.2f} B parameters, bf16, ~{:.0f} ms/step: {}× and {}× the upstream fix "
+      "as shipped (megatron-fsdp 0.6.1, delay {} and {} ms), {}× (megatron-core 0.19.2), within "
+      "the {} % run-to-run spread; peak memory identical ({:.0f} MB)", "report.py cases",
+      lambda cases: (perf_params_b(cases),
+                     statistics.median(r["step_ms_median"] for rs in perf_runs(cases).values()
+                                       for r in rs),
+                     perf_ratio(record(REPORT), "fsdp-0.6.1", "0 ms"),
+                     perf_ratio(record(REPORT), "fsdp-0.6.1", "2.0 ms"), *perf_delays(cases),
+                     perf_ratio(record(REPORT), "core-0.19.2", "0 ms"),
+                     perf_spread_percent(cases),
+                     *{r["peak_mem_mb"] for (_, v), rs in perf_runs(cases).items()
+                       if v.startswith("db") for r in rs}))
+claim(README, "{} seeds per release", "fuzz-summary.json",
+      lambda rows: (only(c["seeds"] for c in fuzz_counts(rows, "shipped").values()),))
+claim(README, "bit-identical in {} of {} seeds; as shipped 0.4.0 crashes in {} of {}, the others "
+      "are wrong in {}–{} of {}", "fuzz-summary.json",
+      lambda rows: (sum(c["exact"] for c in fuzz_counts(rows, "hotfix").values()),
+                    sum(c["seeds"] for c in fuzz_counts(rows, "hotfix").values()),
+                    fuzz_counts(rows, "shipped")["fsdp-0.4.0"]["crash"],
+                    fuzz_counts(rows, "shipped")["fsdp-0.4.0"]["seeds"],
+                    *lo_hi([c["wrong"] for rel, c in fuzz_counts(rows, "shipped").items()
+                            if rel != "fsdp-0.4.0"]),
+                    only(c["seeds"] for c in fuzz_counts(rows, "shipped").values())))
+claim(README, "- {} optimizer steps × {} microbatches", "long-summary.json",
+      lambda rows: (only(r["steps"] for r in rows), only(r["microbatches"] for r in rows)))
+claim(README, "the hotfix runs bit-identical ({} of {} runs)", "long-summary.json",
+      lambda rows: (sum(r["outcome"] == "exact" and r["losses_exact"] and r["params_exact"]
+                        for r in rows if r["variant"] == "hotfix"),
+                    sum(r["variant"] == "hotfix" for r in rows)))
+claim(README, "relative L2 {:.2f}–{:.2f} as shipped at {} ms", "python validation/core_gpt.py "
+      "--report docs/validation/core-gpt-h200.json",
+      lambda t: (*lo_hi([num(r["rel. L2 vs serialized"]) for r in t[-1]
+                         if r["outcome"] == "wrong"]),
+                 only(r["RS delay ms"] for r in t[-1] if r["outcome"] == "wrong")))
+claim(README, "as shipped wrong at {} ms with {} of {} reuses unordered, with the hotfix "
+      "bit-identical and {} of {}", "maxpool-summary.json",
+      lambda rows: (only(r["delay_ms"] for r in rows if r["outcome"] == "wrong"),
+                    *maxpool_audit(rows, "shipped"), *maxpool_audit(rows, "hotfix")))
+claim(README, "every wrong shipped run of the oracle sample ({} runs)", "oracles-summary.json",
+      lambda rows: (len(rows),) if all(
+          (r["audit_unordered"] or 0) > 0 for r in rows if r["outcome"] == "wrong") else ())
 
 
 if __name__ == "__main__":
