@@ -451,6 +451,36 @@ def maxpool_audit(rows: list[dict[str, Any]], variant: str) -> tuple[int, int]:
                 if r["variant"] == variant and r["delay_ms"] == 20)
 
 
+def harness(cases: dict[str, Any], kind: str, key: str) -> list[Any]:
+    """The distinct values of one harness setting over the cases of a kind: ``matrix`` (ZeRO-2
+    correctness), ``big``/``16k`` (ZeRO-3, Issue B), ``perf``."""
+    def of(label: str) -> bool:
+        parts = label.split("|")
+        if kind == "matrix":
+            return parts[1] == "z2" and parts[2] in ("fused", "norm") and "smoke" not in \
+                cases[label]["_file"]
+        return kind in parts
+    return sorted({cases[label]["harness"][key] for label in cases
+                   if of(label) and "harness" in cases[label]})
+
+
+def rel_l2(cases: dict[str, Any], label: str) -> float:
+    return float(cases[label]["result"]["rel_l2"])
+
+
+def matrix_delays(cases: dict[str, Any]) -> list[float]:
+    """The reduce-scatter delays of the ZeRO-2 correctness matrix (labels end ``|d<ms>``)."""
+    return sorted({float(label.split("|")[5][1:]) for label in cases
+                   if label.split("|")[1:3] in (["z2", "fused"], ["z2", "norm"])
+                   and len(label.split("|")) == 6})
+
+
+def run_delay(cases: dict[str, Any], part: str) -> float:
+    """The one delay (ms) of the cases that ran whose label holds ``part``."""
+    return float(only(c["result"]["args"]["delay_ms"] for label, c in cases.items()
+                      if part in label and c.get("result") and "truth" not in label))
+
+
 # ---------------------------------------------------------------------------------------------
 # Checking a doc.
 
@@ -613,6 +643,65 @@ claim(README, "as shipped wrong at {} ms with {} of {} reuses unordered, with th
 claim(README, "every wrong shipped run of the oracle sample ({} runs)", "oracles-summary.json",
       lambda rows: (len(rows),) if all(
           (r["audit_unordered"] or 0) > 0 for r in rows if r["outcome"] == "wrong") else ())
+
+CASES = "report.py cases"
+claim(VAL, "with a reduce-scatter delayed by {:g}–{:g} ms", CASES,
+      lambda cases: (matrix_delays(cases)[1], matrix_delays(cases)[-1]))
+claim(VAL, "relative L2 error {:.2f}–{:.2f} against the serialized run for fused-wgrad units, "
+      "{:.2f}–{:.2f} for units", REPORT, lambda t: (*correctness_l2(t, 1), *correctness_l2(t, 2)))
+claim(VAL, "every one of these {} cases ({} releases × {} unit kinds × {} delays) is", REPORT,
+      lambda t: (len(hotfix_cells(t)), len({r["release"] for r in t[0]}),
+                 len({r["unit"] for r in t[2]}), sum(c.startswith("RS delay") for c in t[0][0]))
+      if set(hotfix_cells(t)) == {"0 (bit-identical)"} else ())
+claim(VAL, "all runs at delay {:g}.", CASES, lambda cases: (matrix_delays(cases)[0],))
+claim(VAL, "reproduces the shipped error exactly ({:.3f}, 0.5.1, {:g} ms)", CASES,
+      lambda cases: (rel_l2(cases, "fsdp-0.5.1|z2|fused|fake|db+hotfix(MFSDP_HOTFIX=0)|d20"),
+                     run_delay(cases, "MFSDP_HOTFIX=0")))
+claim(VAL, "(control rows: 0.5.1 and 0.6.1, {:g} ms, shipped and hotfix)", CASES,
+      lambda cases: (run_delay(cases, "|z2|fused|nccl_sem|"),))
+claim(VAL, "({} units {}→{}→{}): the same race appears with a {:g} ms delay on 0.5.1 ({:.2f}), "
+      "0.6.1 ({:.2f}) and core 0.18.2 ({:.2f})", CASES,
+      lambda cases: (only(harness(cases, "big", "units")), only(harness(cases, "big", "hidden")),
+                     only(harness(cases, "big", "ffn")), only(harness(cases, "big", "hidden")),
+                     only(cases[f"{r}|z3|fused|nccl_sem|db|d20|big"]["result"]["args"]["delay_ms"]
+                          for r in ("fsdp-0.5.1", "fsdp-0.6.1", "core-0.18.2")),
+                     *(rel_l2(cases, f"{r}|z3|fused|nccl_sem|db|d20|big")
+                       for r in ("fsdp-0.5.1", "fsdp-0.6.1", "core-0.18.2"))))
+claim(VAL, "(bf16, hidden {}, {} units, ~{:.0f} ms/step)", CASES,
+      lambda cases: (only(harness(cases, "perf", "hidden")), only(harness(cases, "perf", "units")),
+                     statistics.median(r["step_ms_median"] for rs in perf_runs(cases).values()
+                                       for r in rs)))
+claim(VAL, "median step time {} and {} (megatron-fsdp 0.6.1, delay {} and {} ms) and {} (core "
+      "0.19.2, delay {})", CASES,
+      lambda cases: (perf_ratio(record(REPORT), "fsdp-0.6.1", "0 ms"),
+                     perf_ratio(record(REPORT), "fsdp-0.6.1", "2.0 ms"), *perf_delays(cases),
+                     perf_ratio(record(REPORT), "core-0.19.2", "0 ms"), perf_delays(cases)[0]))
+claim(VAL, "up to {} % (core 0.19.2 + hotfix: {:.2f} vs {:.2f} ms)", CASES,
+      lambda cases: (perf_spread_percent(cases), *sorted(
+          r["step_ms_median"] for r in perf_runs(cases)[("core-0.19.2", "db+hotfix")])))
+claim(VAL, "({:.0f} MB); no double buffer: {:.0f} MB", CASES,
+      lambda cases: (only(r["peak_mem_mb"] for (_, v), rs in perf_runs(cases).items()
+                          if v.startswith("db") for r in rs),
+                     only(r["peak_mem_mb"] for (_, v), rs in perf_runs(cases).items()
+                          if v == "nodb" for r in rs)))
+claim(VAL, "(up to {} tokens, alone", CASES, lambda cases: (harness(cases, "16k", "tokens")[-1],))
+claim(VAL, "gave {:.3f} on 0.5.1 with the plain fake group and **{:g}** once", CASES,
+      lambda cases: (rel_l2(cases, "fsdp-0.5.1|z3|fused+head|fake|nodb|d0|big"),
+                     rel_l2(cases, "fsdp-0.5.1|z3|fused+head|nccl_sem|nodb|d0|big")))
+claim(VAL, "correctness matrix: {} units, h={}, f={}, {} tokens × {} microbatches, fp32, TF32 off, "
+      "{} warm-up + {} steps ({} compared). Issue B: {} units, h={}, f={}, {} or {} tokens × {} "
+      "microbatches, {}–{} steps. Performance: bf16, {} units, h={}, f={}, {} tokens × {} "
+      "microbatches, {} warm-up + {} timed steps", CASES,
+      lambda c: (*(only(harness(c, "matrix", k)) for k in (
+          "units", "hidden", "ffn", "tokens", "microbatches", "warmup", "steps")),
+          only(harness(c, "matrix", "warmup")) + only(harness(c, "matrix", "steps")),
+          *(only(harness(c, "big", k)) for k in ("units", "hidden", "ffn")),
+          only(harness(c, "big", "tokens")), only(harness(c, "16k", "tokens")),
+          only(harness(c, "big", "microbatches") + harness(c, "16k", "microbatches")),
+          *lo_hi([w + s for kind in ("big", "16k") for w in harness(c, kind, "warmup")
+                  for s in harness(c, kind, "steps")]),
+          *(only(harness(c, "perf", k)) for k in (
+              "units", "hidden", "ffn", "tokens", "microbatches", "warmup", "steps"))))
 
 
 if __name__ == "__main__":
