@@ -38,6 +38,7 @@ The summaries ``docs/validation/*-summary.json`` are re-derived from the raw rec
 from __future__ import annotations
 
 import argparse
+import bisect
 import functools
 import gzip
 import json
@@ -160,25 +161,15 @@ class Prose:
 
     @classmethod
     def of(cls, text: str) -> Prose:
-        blank = list(text)
         for pattern in (GENERATED, CHECKED_ELSEWHERE, FENCE, COMMENT, INLINE_CODE):
-            for m in pattern.finditer("".join(blank)):
-                for i in range(m.start(), m.end()):
-                    if blank[i] != "\n":
-                        blank[i] = " "
-        out, lines, line, space = [], [], 1, True
-        for ch in blank:
-            if ch.isspace():
-                if not space:
-                    out.append(" ")
-                    lines.append(line)
-                space = True
-                line += ch == "\n"
-            else:
-                out.append(ch)
-                lines.append(line)
-                space = False
-        return cls("".join(out), lines)
+            text = pattern.sub(lambda m: re.sub(r"[^\n]", " ", m[0]), text)
+        newlines = [m.start() for m in re.finditer("\n", text)]
+        out, lines = [], []
+        for m in re.finditer(r"\S+", text):
+            line = bisect.bisect_left(newlines, m.start()) + 1
+            out.append(m[0])
+            lines += [line] * (len(m[0]) + 1)
+        return cls(" ".join(out), lines)
 
     def tokens(self) -> Iterator[tuple[int, int]]:
         for m in TOKEN.finditer(self.text):
@@ -264,18 +255,18 @@ IDENTIFIERS: list[tuple[str, str, Callable[[re.Match[str]], bool]]] = [
 ]
 
 
-def identifier_spans(text: str) -> tuple[list[tuple[int, int]], list[str]]:
-    """Spans the identifier rules cover, and the matches no known list holds."""
-    spans, unknown = [], []
+def identifier_mask(text: str) -> tuple[bytearray, list[str]]:
+    """Which characters the identifier rules cover, and the matches no known list holds."""
+    mask, unknown = bytearray(len(text)), []
     for name, pattern, known in IDENTIFIERS:
         for m in re.finditer(pattern, text):
-            if name == "word" and any(s <= m.start() and m.end() <= e for s, e in spans):
+            if name == "word" and all(mask[m.start():m.end()]):
                 continue
             if known(m):
-                spans.append(m.span())
+                mask[m.start():m.end()] = b"\1" * (m.end() - m.start())
             elif name != "word":
                 unknown.append(f"{name} {m[0]!r}")
-    return spans, unknown
+    return mask, unknown
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +279,7 @@ class Claim:
     record: str
     values: Callable[[Any], tuple[Any, ...]]
 
+    @functools.cache  # noqa: B019  (claims live as long as the process)
     def filled(self) -> tuple[str, list[tuple[int, int]]]:
         """The template with the record's values, and the spans the values fill."""
         values = iter(self.values(record(self.record)))
@@ -506,7 +498,7 @@ def check(rel: str, text: str) -> Report:
                             f"{region.table}: extra {extra[:3]}, missing {missing[:3]}"
                             + ("" if extra or missing else " (order)"))
     prose = Prose.of(text)
-    covered, unknown = identifier_spans(prose.text)
+    mask, unknown = identifier_mask(prose.text)
     problems += [f"{rel}: unknown {u}" for u in unknown]
     for c in (c for c in CLAIMS if c.file == rel):
         try:
@@ -518,10 +510,9 @@ def check(rel: str, text: str) -> Report:
         if not starts:
             problems.append(f"{rel}: claim not in the text (changed number or wording?): "
                             f"{filled!r} (template {c.template!r}, record {c.record})")
-        covered += [(s + a, s + b) for s in starts for a, b in spans]
-    mask = bytearray(len(prose.text))
-    for s, e in covered:
-        mask[s:e] = b"\1" * (e - s)
+        for s in starts:
+            for a, b in spans:
+                mask[s + a:s + b] = b"\1" * (b - a)
     unclaimed = [f"{rel}:{prose.lines[start]}: {prose.context(start, end)}"
                  for start, end in prose.tokens() if not all(mask[start:end])]
     return Report(unclaimed, problems)
