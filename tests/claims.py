@@ -426,6 +426,13 @@ def perf_delays(cases: dict[str, Any]) -> list[str]:
                    if label.split("|")[2] == "perf"})
 
 
+def hotfix_ratios() -> list[float]:
+    """hotfix / as shipped, median step time, of every release and delay measured."""
+    return [num(r["median / upstream-as-shipped median"]) for r in record(
+        "python validation/report.py")[-1] if r["run"] == "db+hotfix"
+        and r["median / upstream-as-shipped median"]]
+
+
 def hotfix_cells(tables: list[list[dict[str, str]]]) -> list[str]:
     """The delayed cells of the hotfix rows of both ZeRO-2 correctness tables."""
     return [v for t in tables[:2] for row in t if "mfsdp_hotfix" in row["run"]
@@ -693,6 +700,24 @@ claim(VAL, "correctness matrix: {} units, h={}, f={}, {} tokens × {} microbatch
                   for s in harness(c, kind, "steps")]),
           *(only(harness(c, "perf", k)) for k in (
               "units", "hidden", "ffn", "tokens", "microbatches", "warmup", "steps"))))
+claim(VAL, "### {} units {}→{}→{}, {} tokens × {} microbatches, {} steps (", CASES,
+      lambda c: (*(only(harness(c, "big", k)) for k in ("units", "hidden", "ffn", "hidden",
+                                                         "tokens", "microbatches")),
+                 only(harness(c, "big", "warmup")) + only(harness(c, "big", "steps"))))
+claim(VAL, "### {} tokens × {} microbatches, {} steps, one case at a time", CASES,
+      lambda c: (*(only(harness(c, "16k", k)) for k in ("tokens", "microbatches")),
+                 only(harness(c, "16k", "warmup")) + only(harness(c, "16k", "steps"))))
+claim(VAL, "Size: {} × {:.0f} M parameters ({:.2f} B)", CASES,
+      lambda c: (only(harness(c, "perf", "units")),
+                 perf_params_b(c) * 1e3 / only(harness(c, "perf", "units")), perf_params_b(c)))
+claim(VAL, "(≈ {:.0f} ms for {} microbatches × {} units)", CASES,
+      lambda c: (statistics.median(r["step_ms_median"] for rs in perf_runs(c).values()
+                                   for r in rs),
+                 only(harness(c, "perf", "microbatches")), only(harness(c, "perf", "units"))))
+claim(VAL, "(−{:.1f} % to +{:.1f} %) are smaller than the spread between two runs of one variant "
+      "(up to {} %)", CASES,
+      lambda c: (100 - 100 * min(hotfix_ratios()), 100 * max(hotfix_ratios()) - 100,
+                 perf_spread_percent(c)))
 
 
 if __name__ == "__main__":
