@@ -480,6 +480,26 @@ def run_delay(cases: dict[str, Any], part: str) -> float:
                       if part in label and c.get("result") and "truth" not in label))
 
 
+def audit_cost(doc: dict[str, Any]) -> dict[str, float]:
+    """Audit on / audit off, median over the runs of each run's median step time, by release."""
+    runs: dict[tuple[str, bool], list[float]] = {}
+    for c in doc["cases"]:
+        if (c.get("result") or {}).get("step_ms_median"):
+            runs.setdefault((c["release"], c["label"].split("|")[3].endswith("+audit")),
+                            []).append(c["result"]["step_ms_median"])
+    return {rel: statistics.median(runs[(rel, True)]) / statistics.median(runs[(rel, False)])
+            for rel, on in runs if on}
+
+
+def audited(doc: dict[str, Any], key: str) -> Any:
+    """One count every audited performance run reports (``observed_operations``, ``reuses``,
+    ``finish_grad_sync_calls``)."""
+    audits = [c["result"]["audit"] for c in doc["cases"] if (c.get("result") or {}).get("audit")]
+    if key == "reuses":
+        return only(copy["reuses"] for a in audits for copy in a["copies"])
+    return only(a[key] for a in audits)
+
+
 # ---------------------------------------------------------------------------------------------
 # Checking a doc.
 
@@ -718,6 +738,38 @@ claim(VAL, "(−{:.1f} % to +{:.1f} %) are smaller than the spread between two r
       "(up to {} %)", CASES,
       lambda c: (100 - 100 * min(hotfix_ratios()), 100 * max(hotfix_ratios()) - 100,
                  perf_spread_percent(c)))
+
+AUDIT_DOC, AUDIT3, AUDIT4 = "docs/AUDIT.md", "audit-call3-perf.json", "audit-call4-perf.json"
+claim(AUDIT_DOC, "About {:.0f} observed operations per training step", AUDIT4,
+      lambda doc: (audited(doc, "observed_operations") / audited(doc, "finish_grad_sync_calls"),))
+claim(AUDIT_DOC, "step time audit on / off {:.3f} and {:.3f} on one H200", AUDIT3,
+      lambda doc: (audit_cost(doc)["fsdp-0.6.1"], audit_cost(doc)["core-0.19.2"]))
+claim(VAL, "step time is {:.3f} (megatron-fsdp 0.6.1) and {:.3f} (megatron-core 0.19.2) in call 4",
+      AUDIT4, lambda doc: (audit_cost(doc)["fsdp-0.6.1"], audit_cost(doc)["core-0.19.2"]))
+claim(VAL, "{:.3f} / {:.3f} in call 3", AUDIT3,
+      lambda doc: (audit_cost(doc)["fsdp-0.6.1"], audit_cost(doc)["core-0.19.2"]))
+claim(VAL, "Each audited process judged {} reuses (all ordered) and observed {:.0f} ordering "
+      "operations per step ({} in {} steps)", AUDIT4,
+      lambda doc: (audited(doc, "reuses"),
+                   audited(doc, "observed_operations") / audited(doc, "finish_grad_sync_calls"),
+                   audited(doc, "observed_operations"), audited(doc, "finish_grad_sync_calls")))
+claim(README, "(step time {:.3f}–{:.3f}× audit off)", AUDIT4,
+      lambda doc: lo_hi([*audit_cost(doc).values(), *audit_cost(record(AUDIT3)).values()]))
+claim(AUDIT_DOC, "as shipped, {} of {} reuses unordered at {} ms delay while the gradients were "
+      "still right, and wrong at {} ms", "python validation/audit_report.py",
+      lambda t: (*only(tuple(re.findall(r"[0-9]+", r["RS delay 0 ms: unordered of reuses"]))
+                       for r in t[0] if r["run"].startswith("as shipped")
+                       and r["release"] != "fsdp-0.4.0"),
+                 *(re.search(r"RS delay ([0-9]+) ms", col)[1] for col in t[0][0]
+                   if col.startswith("RS delay"))))
+claim(AUDIT_DOC, "audit found {}–{} of {}–{} reuses unordered in every such shipped run at {} ms",
+      TE, lambda rows: (
+          *lo_hi([r["audit_unordered"] for r in rows if not r["fuse"] and r["variant"] == "shipped"
+                  and r["delay_ms"] == 20 and r["release"] != "fsdp-0.4.0"]),
+          *lo_hi([r["audit_reuses"] for r in rows if not r["fuse"] and r["variant"] == "shipped"
+                  and r["delay_ms"] == 20 and r["release"] != "fsdp-0.4.0"]),
+          only(r["delay_ms"] for r in rows if not r["fuse"] and r["variant"] == "shipped"
+               and r["outcome"] == "wrong")))
 
 
 if __name__ == "__main__":
