@@ -333,7 +333,16 @@ def te_fusion_off(rows: list[dict[str, Any]]) -> dict[str, Any]:
     assert all(r["outcome"] == "exact" for r in hotfix)
     return {"wrong": len(wrong), "later": len(later), "l2": lo_hi(wrong),
             "oldest_exact": sum(r["outcome"] == "exact" for r in oldest), "oldest": len(oldest),
-            "oldest_delays": sorted({r["delay_ms"] for r in oldest}), "hotfix": len(hotfix)}
+            "oldest_delays": sorted({r["delay_ms"] for r in oldest}), "hotfix": len(hotfix),
+            "delay": only(r["delay_ms"] for r in shipped if r["outcome"] == "wrong")}
+
+
+def te_fusion_off_audit(rows: list[dict[str, Any]]) -> tuple[int, ...]:
+    """Range of unordered, then of reuses, the audit found in the wrong fusion-off runs."""
+    wrong = [r for r in rows if not r["fuse"] and r["variant"] == "shipped"
+             and r["outcome"] == "wrong"]
+    return (*lo_hi([r["audit_unordered"] for r in wrong]),
+            *lo_hi([r["audit_reuses"] for r in wrong]))
 
 
 def bench_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -770,16 +779,41 @@ claim(AUDIT_DOC, "as shipped, {} of {} reuses unordered at {} ms delay while the
                  *(re.search(r"RS delay ([0-9]+) ms", col)[1] for col in t[0][0]
                    if col.startswith("RS delay"))))
 claim(AUDIT_DOC, "audit found {}–{} of {}–{} reuses unordered in every such shipped run at {} ms",
-      TE, lambda rows: (
-          *lo_hi([r["audit_unordered"] for r in rows if not r["fuse"] and r["variant"] == "shipped"
-                  and r["delay_ms"] == 20 and r["release"] != "fsdp-0.4.0"]),
-          *lo_hi([r["audit_reuses"] for r in rows if not r["fuse"] and r["variant"] == "shipped"
-                  and r["delay_ms"] == 20 and r["release"] != "fsdp-0.4.0"]),
-          only(r["delay_ms"] for r in rows if not r["fuse"] and r["variant"] == "shipped"
-               and r["outcome"] == "wrong")))
+      TE, lambda rows: (*te_fusion_off_audit(rows), te_fusion_off(rows)["delay"]))
 
 claim("docs/CONFIGURATIONS.md", "The whole matrix ({} rows, {} runs)", "configurations.json",
       lambda rec: (len(rec), sum(len(row["runs"]) for row in rec.values())))
+
+FUZZ = "fuzz-summary.json"
+claim(VAL, "the TE matrix is {} configurations × shipped/hotfix × {}/{} ms", TE,
+      lambda rows: (len({(r["release"], r["layer"], r["fuse"], r["delay_wgrad"], r["zero"],
+                          r["dtype"]) for r in rows}), *sorted({r["delay_ms"] for r in rows})))
+claim(VAL, "{:.0f} of {:.0f} fuzzer seeds ({} per release, {:.0f} on real TE), {} of {} long "
+      "runs ({} optimizer steps × {} microbatches", GPU,
+      lambda t: (sum(num(r["exact"]) for r in t[0] if r["variant"] == "hotfix"),
+                 sum(num(r["seeds"]) for r in t[0] if r["variant"] == "hotfix"),
+                 only(c["seeds"] for c in fuzz_counts(record(FUZZ), "hotfix").values()),
+                 sum(num(r["seeds"]) for r in t[0] if r["variant"] == "hotfix"
+                     and r["layers"] == "TE"),
+                 *(lambda rows: (sum(r["outcome"] == "exact" and r["losses_exact"]
+                                     and r["params_exact"] for r in rows
+                                     if r["variant"] == "hotfix"),
+                                 sum(r["variant"] == "hotfix" for r in rows),
+                                 only(r["steps"] for r in rows),
+                                 only(r["microbatches"] for r in rows)))(
+                     record("long-summary.json"))))
+claim(VAL, "in {} of {} seeds; 0.5.1, 0.6.1, core 0.18.2 and 0.19.2 give wrong gradients in {}–{} "
+      "of {} seeds (largest max abs difference {:.3g})", FUZZ,
+      lambda rows: (fuzz_counts(rows, "shipped")["fsdp-0.4.0"]["crash"],
+                    fuzz_counts(rows, "shipped")["fsdp-0.4.0"]["seeds"],
+                    *lo_hi([c["wrong"] for rel, c in fuzz_counts(rows, "shipped").items()
+                            if rel != "fsdp-0.4.0"]),
+                    only(c["seeds"] for c in fuzz_counts(rows, "shipped").values()),
+                    max(r["max_abs_diff"] for r in rows if r["outcome"] == "wrong")))
+claim(VAL, "with real TE and a {} ms reduce-scatter delay", TE,
+      lambda rows: (te_fusion_off(rows)["delay"],))
+claim(VAL, "is wrong (relative L2 {:.2f}–{:.2f}, the audit finding {}–{} of {}–{} reuses "
+      "unordered)", TE, lambda rows: (*te_fusion_off(rows)["l2"], *te_fusion_off_audit(rows)))
 
 
 if __name__ == "__main__":
