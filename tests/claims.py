@@ -399,6 +399,12 @@ def selftest_line(text: str, run: str) -> list[str]:
     return [c for c in line[len(run):].split("  ") if c.strip()]
 
 
+def selftest_counts(text: str) -> tuple[str, ...]:
+    """Shipped rel. L2, shipped unordered and reuses, hotfix unordered and reuses."""
+    shipped, hotfix = selftest_line(text, "shipped"), selftest_line(text, "hotfix")
+    return (shipped[1], *shipped[3].split("/"), *hotfix[3].split("/"))
+
+
 def selftest_seconds(text: str) -> float:
     """Wall time of the runs: the serialized pair runs at once, then shipped, then hotfix."""
     secs = {run: float(selftest_line(text, run)[-1]) for run in (
@@ -814,6 +820,23 @@ claim(VAL, "with real TE and a {} ms reduce-scatter delay", TE,
       lambda rows: (te_fusion_off(rows)["delay"],))
 claim(VAL, "is wrong (relative L2 {:.2f}–{:.2f}, the audit finding {}–{} of {}–{} reuses "
       "unordered)", TE, lambda rows: (*te_fusion_off(rows)["l2"], *te_fusion_off_audit(rows)))
+
+MAXPOOL = "maxpool-summary.json"
+claim(VAL, "the audit now sees the pool's reuses ({} of {} unordered;", MAXPOOL,
+      lambda rows: maxpool_audit(rows, "shipped"))
+claim(VAL, "with the hotfix every row is bit-identical, {} of {} unordered", MAXPOOL,
+      lambda rows: maxpool_audit(rows, "hotfix") if all(
+          r["outcome"] == "exact" for r in rows if r["variant"] == "hotfix") else ())
+claim(VAL, "race as shipped (relative L2 {:.2f}–{:.2f} at {} ms)", "python validation/core_gpt.py "
+      "--report docs/validation/core-gpt-h200.json",
+      lambda t: (*lo_hi([num(r["rel. L2 vs serialized"]) for r in t[-1]
+                         if r["outcome"] == "wrong"]),
+                 only(r["RS delay ms"] for r in t[-1] if r["outcome"] == "wrong")))
+claim(VAL, "as shipped wrong (relative L2 {}, the audit found {} of {} reuses unordered), with the "
+      "hotfix bit-identical ({} of {}), about {:.0f} s of runs", SELFTEST_DEFAULT,
+      lambda text: (*selftest_counts(text), selftest_seconds(text)))
+claim(VAL, "PASS, as shipped wrong ({}, {} of {} unordered), with the hotfix exact ({} of {})",
+      "selftest-gpu-h200-core-default-route.txt", selftest_counts)
 
 
 if __name__ == "__main__":
