@@ -396,7 +396,7 @@ def selftest_block(text: str, copy: str) -> str:
 
 def selftest_line(text: str, run: str) -> list[str]:
     (line,) = [ln for ln in text.splitlines() if ln.split("  ")[0] == run]
-    return [c for c in line[len(run):].split("  ") if c.strip()]
+    return [c.strip() for c in line[len(run):].split("  ") if c.strip()]
 
 
 def selftest_counts(text: str) -> tuple[str, ...]:
