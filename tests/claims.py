@@ -838,6 +838,32 @@ claim(VAL, "as shipped wrong (relative L2 {}, the audit found {} of {} reuses un
 claim(VAL, "PASS, as shipped wrong ({}, {} of {} unordered), with the hotfix exact ({} of {})",
       "selftest-gpu-h200-core-default-route.txt", selftest_counts)
 
+AUDIT_CASES, AUDIT_TABLES = "audit_report.py cases", "python validation/audit_report.py"
+
+
+def audit_harness(cases: dict[str, Any], perf: bool, key: str) -> Any:
+    """One harness setting shared by the audit's matrix (or performance) cases."""
+    return only(c["harness"][key] for label, c in cases.items()
+                if ("|perf|" in label) == perf and "harness" in c)
+
+
+claim(VAL, "Model: the correctness size ({} units {}→{}→{}, {}, {} tokens), {} timed steps after "
+      "{} warm-up step", AUDIT_CASES,
+      lambda c: (*(audit_harness(c, False, k) for k in ("units", "hidden", "ffn", "hidden",
+                                                         "dtype", "tokens", "steps", "warmup")),))
+claim(VAL, "### Cost (LARGE: {}, {} units {}->{}->{}, {} tokens x {} microbatches, ZeRO-{}, {} "
+      "timed steps after {} warm-up", AUDIT_CASES,
+      lambda c: (*(audit_harness(c, True, k) for k in (
+          "dtype", "units", "hidden", "ffn", "hidden", "tokens", "microbatches", "zero", "steps",
+          "warmup")),))
+claim(VAL, "report {} unordered of {} reuses (ZeRO-2 and ZeRO-3, 2 microbatches;", AUDIT_TABLES,
+      lambda t: only(tuple(re.findall(r"[0-9]+", r["RS delay 0 ms: unordered of reuses"]))
+                     for r in t[0] if r["run"].startswith("as shipped")
+                     and r["release"] != "fsdp-0.4.0"))
+claim(VAL, "the same reuses corrupt the gradients ({:.3f})", AUDIT_TABLES,
+      lambda t: (only(num(r["grads vs serialized truth"]) for r in t[0]
+                      if r["run"].startswith("as shipped") and r["release"] != "fsdp-0.4.0"),))
+
 
 if __name__ == "__main__":
     main()
