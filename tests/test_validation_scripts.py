@@ -1,6 +1,6 @@
-"""The CPU side of the GPU validation: the matrix driver plans its cases without a GPU, the
-tables in docs/VALIDATION.md are exactly what the committed raw JSON gives, and the CPU
-micro-benchmarks run."""
+"""The CPU side of the GPU validation: the matrix driver plans its cases without a GPU and the CPU
+micro-benchmarks run. (The tables in docs/VALIDATION.md are generated regions, compared both ways
+with what the report scripts print from the committed raw JSON by tests/test_claims.py.)"""
 
 from __future__ import annotations
 
@@ -38,19 +38,6 @@ def test_core_gpt_plans_every_release_and_model_without_a_gpu() -> None:
     assert '"CUDA_LAUNCH_BLOCKING": "1"' in out
 
 
-def assert_documented(report_script: str, at_least: int) -> None:
-    """Every table row ``report_script`` prints from the raw JSON is in docs/VALIDATION.md."""
-    tables = [line for line in script(report_script).stdout.splitlines() if line.startswith("|")]
-    documented = (REPO / "docs" / "VALIDATION.md").read_text()
-    assert len(tables) > at_least
-    missing = [line for line in tables if line not in documented]
-    assert not missing, missing[:5]
-
-
-def test_documented_tables_come_from_the_raw_json() -> None:
-    assert_documented("validation/report.py", 50)
-
-
 def test_cpu_benchmarks_run() -> None:
     out = script("benchmarks/run.py", "--quick").stdout
     assert "getter-guard" in out and "heavy packages imported at `import mfsdp_hotfix`: none" in out
@@ -64,23 +51,3 @@ def test_audit_phases_plan_every_release_and_configuration() -> None:
         for zero in (1, 2, 3):
             assert f"{release}|z{zero}|mb1|nccl_sem|db+hotfix+audit|d0|sweep" in out
     assert "core-0.19.2|z2|perf|db+hotfix+audit|d0|rep1" in out
-
-
-def test_documented_audit_tables_come_from_the_raw_json() -> None:
-    assert_documented("validation/audit_report.py", 40)
-
-
-def test_gpu_tables_come_from_the_raw_json() -> None:
-    assert_documented("validation/gpu_report.py", 300)
-
-
-def test_core_gpt_and_cost_tables_come_from_the_raw_json() -> None:
-    documented = (REPO / "docs" / "VALIDATION.md").read_text()
-    for args in (("validation/core_gpt.py", "--report", "docs/validation/core-gpt-h200.json"),
-                 ("validation/core_gpt.py", "--report",
-                  "docs/validation/core-gpt-opfuser-no-double-buffer-h200.json"),
-                 ("benchmarks/safe_choices.py", "--report",
-                  "docs/validation/bench-safe-choices-h200.json")):
-        rows = [line for line in script(*args).stdout.splitlines() if line.startswith("|")]
-        assert len(rows) > 10
-        assert [line for line in rows if line not in documented] == []
