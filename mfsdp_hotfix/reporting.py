@@ -52,7 +52,9 @@ def status() -> dict[str, Any]:
     settings, installed, records = installer.view()
     settings = settings or settings_module.read(known_fixes=registry.FIX_IDS)
     copies = [_record_dict(record) for record in records]
-    seen = {record.detection.copy.package for record in records}
+    unpatched = installer.imported_unpatched()
+    copies += [_unpatched_dict(found, settings, imported=True) for found in unpatched]
+    seen = {r.detection.copy.package for r in records} | {f.copy.package for f in unpatched}
     for copy in registry.COPIES:
         if copy.package not in seen:
             copies.extend(_not_imported(copy, settings))
@@ -91,12 +93,17 @@ def _not_imported(copy: Copy, settings: settings_module.Settings) -> list[dict[s
     buffer_file = detection.find_installed(copy)
     if buffer_file is None:
         return []
-    found = detection.detect_file(copy, buffer_file)
+    return [_unpatched_dict(detection.detect_file(copy, buffer_file), settings, imported=False)]
+
+
+def _unpatched_dict(found: detection.Detection, settings: settings_module.Settings,
+                    imported: bool) -> dict[str, Any]:
+    """A copy the hotfix has not handled: not imported yet, or imported while it was off."""
     fixes: dict[str, dict[str, str]] = {}
     states: dict[str, tuple[str, str]] = {}
     for fix in [] if found.refused else registry.FIXES:
         state, reason = states[fix.id] = installer.fix_state(fix, found, settings)
         fixes[fix.id] = {"state": state,
                          "reason": fix.summary if state == installer.WOULD_APPLY else reason}
-    return [{**found.as_dict(), "imported": False, "fixes": fixes,
-             "limits": coverage.limits(found, states), "models_repaired": 0}]
+    return {**found.as_dict(), "imported": imported, "fixes": fixes,
+            "limits": coverage.limits(found, states), "models_repaired": 0}
