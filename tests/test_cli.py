@@ -4,6 +4,7 @@ unpatched and a refused install, without torch."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -182,3 +183,33 @@ def test_selftest_without_numpy_says_it_cannot_run() -> None:
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "selftest: FAIL: cannot run: no numpy in this environment."), proc.stderr
+
+
+def test_version() -> None:
+    from mfsdp_hotfix import __version__
+
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "--version"))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"mfsdp-hotfix {__version__}\n", "")
+
+
+def test_no_command_lists_the_commands_one_line_each() -> None:
+    """Bare ``mfsdp-hotfix`` is a usage error (exit 2) that shows every command."""
+    proc = run_python("", args=("-c", NO_TORCH), env={"COLUMNS": "100"})
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    listed = re.findall(r"^    (\S+) +\S", proc.stderr, re.M)
+    assert listed == ["status", "selftest", "run", "audit", "bootstrap-path", "help"], proc.stderr
+    assert proc.stderr.rstrip().endswith("'mfsdp-hotfix help COMMAND' shows its options)")
+
+
+@pytest.mark.parametrize("command", ["", "status", "audit"])
+def test_help_command_prints_what_help_prints(command: str) -> None:
+    """``mfsdp-hotfix help [COMMAND]`` is ``mfsdp-hotfix [COMMAND] --help``."""
+    want = run_python("", args=("-c", NO_TORCH, *command.split(), "--help"))
+    got = run_python("", args=("-c", NO_TORCH, "help", *command.split()))
+    assert (got.returncode, got.stdout, got.stderr) == (0, want.stdout, ""), got.stderr
+    assert want.returncode == 0 and want.stdout.startswith(f"usage: mfsdp-hotfix {command}")
+
+
+def test_help_of_an_unknown_command_is_a_usage_error() -> None:
+    proc = run_python("", args=("-c", NO_TORCH, "help", "frobnicate"))
+    assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr

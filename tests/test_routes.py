@@ -284,7 +284,7 @@ def test_interpreter_flags(installed: Installed, command: str, loaded_via: str) 
 
 
 def test_no_command_or_an_unknown_one(installed: Installed) -> None:
-    for command, words in ((readme("mfsdp-hotfix"), "the following arguments are required"),
+    for command, words in ((readme("mfsdp-hotfix"), "bootstrap-path  print the folder"),
                            ("mfsdp-hotfix frobnicate", "invalid choice: 'frobnicate'"),
                            ("mfsdp-hotfix run", "run needs a command"),
                            ("mfsdp-hotfix audit -- true", "required: --out"),
@@ -339,7 +339,8 @@ def test_a_closed_pipe_is_quiet(installed: Installed) -> None:
         assert (gone.returncode, gone.stderr) == (141, ""), (command, gone.stderr)
 
 
-@pytest.mark.parametrize("command", ["", "status", "selftest", "run", "audit", "bootstrap-path"])
+@pytest.mark.parametrize("command", ["", "status", "selftest", "run", "audit", "bootstrap-path",
+                                     "help"])
 def test_help_is_plain(installed: Installed, command: str) -> None:
     """Plain text at 80 columns: no markup, every argument explained, no traceback."""
     proc = installed.sh(f"mfsdp-hotfix {command} --help", env={"COLUMNS": "80"})
