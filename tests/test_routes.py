@@ -202,7 +202,8 @@ def test_selftest_audit(installed: Installed) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     audit = [line for line in lines if line.startswith("audit, ")]
     assert len(audit) == 2 and all(line.endswith("audit on: agrees") for line in audit), audit
-    assert re.match(r"audit, without hotfix: [1-9]\d* unordered of [1-9]\d* reuses", audit[0])
+    assert re.match(r"audit, without hotfix: [1-9]\d* unordered of [1-9]\d* gradient-slot reuses",
+                    audit[0])
     assert lines[-1].startswith("selftest: PASS: ") and lines[-1].endswith(
         "the audit's counts equal the stand-in's"), lines[-1]
 

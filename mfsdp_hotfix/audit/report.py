@@ -233,7 +233,7 @@ def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[
     for rank, report in sorted(reports.items()):
         for copy in report.get("copies", []):
             key = (str(copy.get("package")), str(copy.get("version")), str(copy.get("era")),
-                   ",".join(copy.get("fixes") or []) or "none")
+                   ", ".join(copy.get("fixes") or []) or "none")
             entry = per_copy.setdefault(key, {"ranks": [], "reuses": 0, "unordered": 0,
                                               "unseen": 0,
                                               "unordered_ranks": [], "crashed": [],
