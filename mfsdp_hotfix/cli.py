@@ -170,6 +170,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "status":
         return _status(args.json, args.check)
     if args.command == "selftest":
+        _note_audit_not_passed_on(args.json)
         if args.gpu:
             return _gpu_selftest(args)
         given = [f"--{name.replace('_', '-')}" for name in GPU_ONLY
@@ -278,6 +279,17 @@ def _shape_line(qualname: str, found: dict[str, Any], fingerprint: str | None) -
         return (f"{name}: as shipped in {found['shape']} ({found['as_shipped_in']}; "
                 f"{found['implies']})")
     return f"{name}: {found['shape']}, recognised by {found['matched_by']} ({found['implies']})"
+
+
+def _note_audit_not_passed_on(as_json: bool) -> None:
+    """``mfsdp-hotfix audit -- mfsdp-hotfix selftest`` ends NO DATA: say why, before it runs."""
+    if os.environ.get(settings.AUDIT, "").strip():
+        print(f"selftest: note: {settings.AUDIT} is set (as 'mfsdp-hotfix audit' sets it), but "
+              "the selftest does not pass it to its workers: it runs the same ranks without and "
+              "with the hotfix, whose rank files would overwrite each other, so an audit around "
+              "the selftest finds no rank file (NO DATA). 'mfsdp-hotfix selftest --audit' audits "
+              "each run in a folder of its own and checks the audit's counts against the "
+              "selftest's own.", file=sys.stderr if as_json else sys.stdout, flush=True)
 
 
 def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool) -> int:

@@ -213,3 +213,12 @@ def test_help_command_prints_what_help_prints(command: str) -> None:
 def test_help_of_an_unknown_command_is_a_usage_error() -> None:
     proc = run_python("", args=("-c", NO_TORCH, "help", "frobnicate"))
     assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr
+
+
+def test_selftest_says_it_does_not_pass_the_audit_on() -> None:
+    """``mfsdp-hotfix audit -- mfsdp-hotfix selftest`` ends NO DATA; the selftest says why."""
+    proc = run_python("", args=("-c", NO_TORCH, "selftest"), env={"MFSDP_HOTFIX_AUDIT": "a"})
+    assert proc.returncode == 2 and proc.stdout.startswith(
+        "selftest: note: MFSDP_HOTFIX_AUDIT is set (as 'mfsdp-hotfix audit' sets it), but the "
+        "selftest does not pass it to its workers"), proc.stdout
+    assert "'mfsdp-hotfix selftest --audit' audits each run" in proc.stdout
