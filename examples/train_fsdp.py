@@ -50,7 +50,7 @@ def main() -> None:
     if on_gpu:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if on_gpu else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
 
     import megatron_fsdp  # the standalone package; megatron-core's copy works the same way
 
