@@ -10,7 +10,9 @@ Three questions, three words, never mixed:
   ``sitecustomize``.
 
 A copy that is installed but not imported yet is read from its source file (no torch needed), so
-``status()`` right after ``import mfsdp_hotfix`` already says what would apply.
+``status()`` right after ``import mfsdp_hotfix`` already says what would apply. A copy the process
+imported while the hotfix was off (or after ``uninstall()``) is read from its imported module and
+reported ``imported``, with nothing applied.
 """
 
 from __future__ import annotations
