@@ -1,4 +1,4 @@
-"""``mfsdp-hotfix``: status, selftest, run, audit and bootstrap-path.
+"""``mfsdp-hotfix``: status, selftest, run, audit, bootstrap-path and help.
 
 ``status`` and ``bootstrap-path`` work without torch; ``selftest`` needs torch and a
 Megatron-FSDP copy; ``run`` starts a command with the sitecustomize bootstrap on PYTHONPATH;
@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from . import bootstrap, reporting, settings, status, tree
+from .__about__ import __version__
 from .selftest.gpu_spec import LAYERS as GPU_LAYERS
 
+# Exit status of a usage error (argparse's): no command, an unknown one, a bad option.
+USAGE_ERROR = 2
 # Exit codes of ``status --check``.
 CHECK_OK, CHECK_UNFIXED = 0, 1
 # Exit codes of ``selftest``: PASS, FAIL, and cannot run here (no torch; --gpu: no CUDA GPU).
@@ -31,6 +34,17 @@ DESCRIPTION = ("Runtime repair of Megatron-FSDP's gradient double-buffer race. '
                "'bootstrap-path' work without torch; 'selftest' needs torch and a Megatron-FSDP "
                "copy; 'run' starts a command with the hotfix loaded in every Python process; "
                "'audit' does the same with the on-the-job audit on and summarises it.")
+
+
+class _CommandListFormatter(argparse.HelpFormatter):
+    """One line per command: argparse measures the command names without the indent they are
+    printed with, so the longest (bootstrap-path) would wrap its help onto a line of its own."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        for subaction in self._iter_indented_subactions(action):
+            self._action_max_length = max(self._action_max_length, self._current_indent + len(
+                self._format_action_invocation(subaction)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,8 +62,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="mfsdp-hotfix", description=DESCRIPTION)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="mfsdp-hotfix", description=DESCRIPTION,
+                                     formatter_class=_CommandListFormatter)
+    parser.add_argument("--version", action="version", version=f"mfsdp-hotfix {__version__}",
+                        help="print the version and exit")
+    commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     show = commands.add_parser(
         "status", help="what is installed, detected and (would be) fixed",
         description="For a new Python process of this environment: whether the hotfix is "
@@ -116,27 +133,49 @@ def _main(argv: list[str] | None) -> int:
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
                      help="the command and its arguments, after --")
     audit = commands.add_parser(
-        "audit", help="run a training command with the on-the-job audit and summarise it",
+        "audit", help="run a job with the on-the-job audit, then summarise it",
         usage="mfsdp-hotfix audit --out PATH -- COMMAND [ARGS...]",
         description="Run COMMAND (e.g. torchrun ... train.py) like 'mfsdp-hotfix run', with "
-                    "MFSDP_HOTFIX_AUDIT=PATH: every rank writes PATH.rank<N>.json (files of "
-                    "that name from an earlier run are removed first). Then print a summary of "
-                    "them; the last line is 'audit: <VERDICT>: ...' (UNORDERED, CRASH, UNWATCHED, "
-                    "INCOMPLETE, NOT CHECKED, ordered or NO DATA). Exit status: the command's "
-                    "when it failed; else 0 only for ordered, 3 for UNORDERED or CRASH, 4 when "
-                    "nothing or not everything was checked.")
+                    "MFSDP_HOTFIX_AUDIT=PATH: every rank writes PATH.rank<N>.json. Then print a "
+                    "summary of them; the last line is 'audit: <VERDICT>: ...' (UNORDERED, "
+                    "CRASH, UNWATCHED, INCOMPLETE, NOT CHECKED, ordered or NO DATA). Exit "
+                    "status: the command's when it failed; else 0 only for ordered, 3 for "
+                    "UNORDERED or CRASH, 4 when nothing or not everything was checked; 2 when "
+                    "nothing was run (bad --out, or rank files of an earlier run there without "
+                    "--overwrite).")
     audit.add_argument("--out", required=True, metavar="PATH",
-                       help="path prefix of the rank files (PATH.rank<N>.json)")
+                       help="path prefix of the rank files (PATH.rank<N>.json); a missing "
+                            "folder is created (and said so)")
+    audit.add_argument("--overwrite", action="store_true",
+                       help="delete rank files PATH.rank<N>.json of an earlier run before "
+                            "running (without it, their presence stops the audit before it "
+                            "runs anything)")
     audit.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
                        help="the command and its arguments, after --")
     commands.add_parser("bootstrap-path", help="print the folder to prepend to PYTHONPATH",
                         description="Print the folder holding the hotfix's sitecustomize, for "
                                     "job scripts: PYTHONPATH=$(mfsdp-hotfix bootstrap-path)"
                                     ":$PYTHONPATH")
+    guide = commands.add_parser("help", help="print the commands, or one command's help",
+                                usage="mfsdp-hotfix help [COMMAND]",
+                                description="Print the list of commands, or with COMMAND that "
+                                            "command's options (as 'mfsdp-hotfix COMMAND "
+                                            "--help' does).")
+    guide.add_argument("topic", nargs="?", metavar="COMMAND",
+                       choices=[name for name in commands.choices if name != "help"],
+                       help="one of the commands above")
     args = parser.parse_args(argv)
+    if args.command is None:  # a usage error, with the list of commands
+        sys.stderr.write(parser.format_help())
+        parser.exit(USAGE_ERROR, "mfsdp-hotfix: error: name a COMMAND (see above; 'mfsdp-hotfix "
+                                 "help COMMAND' shows its options)\n")
+    if args.command == "help":
+        print((commands.choices[args.topic] if args.topic else parser).format_help(), end="")
+        return 0
     if args.command == "status":
         return _status(args.json, args.check, args.path)
     if args.command == "selftest":
+        _note_audit_not_passed_on(args.json)
         if args.gpu:
             return _gpu_selftest(args)
         given = [f"--{name.replace('_', '-')}" for name in GPU_ONLY
@@ -147,7 +186,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "run":
         return _run(args.cmd, parser)
     if args.command == "audit":
-        return _audit(args.out, args.cmd, parser)
+        return _audit(args.out, args.cmd, parser, args.overwrite)
     print(bootstrap.SITECUSTOMIZE_DIR)
     return 0
 
@@ -293,6 +332,17 @@ def _shape_line(qualname: str, found: dict[str, Any], fingerprint: str | None) -
     return f"{name}: {found['shape']}, recognised by {found['matched_by']} ({found['implies']})"
 
 
+def _note_audit_not_passed_on(as_json: bool) -> None:
+    """``mfsdp-hotfix audit -- mfsdp-hotfix selftest`` ends NO DATA: say why, before it runs."""
+    if os.environ.get(settings.AUDIT, "").strip():
+        print(f"selftest: note: {settings.AUDIT} is set (as 'mfsdp-hotfix audit' sets it), but "
+              "the selftest does not pass it to its workers: it runs the same ranks without and "
+              "with the hotfix, whose rank files would overwrite each other, so an audit around "
+              "the selftest finds no rank file (NO DATA). 'mfsdp-hotfix selftest --audit' audits "
+              "each run in a folder of its own and checks the audit's counts against the "
+              "selftest's own.", file=sys.stderr if as_json else sys.stdout, flush=True)
+
+
 def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool) -> int:
     """``selftest`` (and ``--audit``: both phases with the audit on, and PASS also needs the
     audit's counts to equal the stand-in's in each phase)."""
@@ -360,8 +410,11 @@ def _gpu_selftest(args: argparse.Namespace) -> int:
     return SELFTEST_PASS if data["verdict"] == "PASS" else SELFTEST_FAIL
 
 
-def _audit(out: str, command: list[str], parser: argparse.ArgumentParser) -> int:
-    """``audit``: the command with the bootstrap and MFSDP_HOTFIX_AUDIT, then a summary."""
+def _audit(out: str, command: list[str], parser: argparse.ArgumentParser,
+           overwrite: bool) -> int:
+    """``audit``: the command with the bootstrap and MFSDP_HOTFIX_AUDIT, then a summary.
+    Rank files of an earlier run at the same path are evidence: without ``--overwrite`` they
+    stop the audit before anything runs."""
     import subprocess
 
     from .audit import report as audit_report
@@ -369,16 +422,24 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser) -> int
     command = _command(command, parser, "audit")
     path = os.path.abspath(out)
     problem = _out_problem(out, path)
+    earlier = audit_report.rank_files(path)
+    if not problem and earlier and not overwrite:
+        problem = (f"rank files of an earlier run are there ({_names(earlier)}); give a new "
+                   "path, or add --overwrite to delete them first")
     if problem:
         print(f"mfsdp-hotfix audit: --out {out}: {problem}; nothing was run", file=sys.stderr)
-        return 2
-    earlier = audit_report.rank_files(path)
-    for name in earlier.values():  # a summary of this run only
+        return USAGE_ERROR
+    for name in earlier.values():  # --overwrite: a summary of this run only
         try:
             os.remove(name)
         except OSError as exc:
             print(f"mfsdp-hotfix audit: cannot remove {name} from an earlier run ({exc}); "
                   "the summary may include it", file=sys.stderr)
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        os.makedirs(folder)
+        print(f"mfsdp-hotfix audit: created the folder {folder} for the rank files",
+              file=sys.stderr)
     env = dict(os.environ, PYTHONPATH=_bootstrap_path(), **{settings.AUDIT: path})
     try:
         child = subprocess.Popen(command, env=env)
@@ -394,13 +455,19 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser) -> int
     reports, unreadable = audit_report.read_rank_files(path)
     verdict, lines = audit_report.summarise(reports, path)
     print(f"mfsdp-hotfix audit: {len(reports)} rank file(s) {path}.rank<N>.json"
-          + (f" ({len(earlier)} from an earlier run removed first)" if earlier else ""))
+          + (f" ({len(earlier)} from an earlier run deleted first: --overwrite)" if earlier
+             else ""))
     for line in lines + [f"unreadable: {name}" for name in unreadable]:
         print(f"  {line}")
     meaning, todo, _ = audit_report.VERDICTS[verdict]
     print(f"audit: {verdict}: {meaning}" + ("" if verdict == "ordered" else f"; {todo}")
           + f" (command exit status {status})")
     return audit_report.exit_status(verdict, status)
+
+
+def _names(files: dict[int, str]) -> str:
+    names = [os.path.basename(name) for _, name in sorted(files.items())]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _out_problem(out: str, path: str) -> str | None:

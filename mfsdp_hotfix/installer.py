@@ -209,9 +209,17 @@ def _record_for(copy: Copy) -> CopyRecord | None:
 
 def fix_state(fix: Fix, found: Detection, settings: settings_module.Settings
               ) -> tuple[str, str]:
-    """The state a fix starts in for a copy: one of :data:`reporting.FIX_STATES`."""
-    if not settings.enabled:
+    """The state a fix starts in for a copy: one of :data:`reporting.FIX_STATES`. Under
+    ``MFSDP_HOTFIX=0`` a fix this copy needs (or may need) is ``off``; one it does not need
+    stays ``not needed``, so that what is left unfixed is only what this copy needs."""
+    state, reason = _fix_state_if_on(fix, found, settings)
+    if not settings.enabled and state != "not needed":
         return "off", f"{settings_module.SWITCH}=0"
+    return state, reason
+
+
+def _fix_state_if_on(fix: Fix, found: Detection, settings: settings_module.Settings
+                     ) -> tuple[str, str]:
     if fix.gate is not None and found.shapes.get(fix.gate) is None:
         return "unverified", (f"{registry.short_name(fix.gate)} has a code shape this hotfix "
                               "does not know, so the fix is not applied")
@@ -320,14 +328,34 @@ def _refuse(found: Detection) -> None:
 
 
 def summary() -> str:
-    """One line: what this process patched."""
+    """One line: what this process patched, and every imported copy it did not patch (the
+    hotfix off, or uninstalled)."""
     parts = []
     for record in view()[2]:
         found = record.detection
         applied = ", ".join(record.applied) or "nothing to apply"
         parts.append(f"{found.copy.label} {found.version or '?'} "
                      + (f"era {found.era.name}: {applied}" if found.era else "REFUSED"))
+    unpatched = imported_unpatched()
+    if unpatched:
+        settings = _state.settings or settings_module.read(known_fixes=registry.FIX_IDS)
+        why = (f"{settings_module.SWITCH}=0" if not settings.enabled else
+               "the hotfix is not installed in this process")
+        for found in unpatched:
+            era = f"era {found.era.name}" if found.era else "code shape unknown"
+            parts.append(f"{found.copy.label} {found.version or '?'} {era}: nothing applied "
+                         f"({why})")
     return "mfsdp_hotfix: " + ("; ".join(parts) or "no Megatron-FSDP copy imported")
+
+
+def imported_unpatched() -> list[Detection]:
+    """Each copy whose buffer module this process imported but the hotfix never handled
+    (``MFSDP_HOTFIX=0``, or after ``uninstall()``), detected from its imported code."""
+    with _lock:
+        handled = set(_state.records)
+    return [detection.detect_module(copy, sys.modules[copy.buffer_module])
+            for copy in registry.COPIES
+            if copy.package not in handled and copy.buffer_module in sys.modules]
 
 
 def applied_fingerprint() -> dict[str, Any]:

@@ -10,7 +10,9 @@ Three questions, three words, never mixed:
   ``sitecustomize``.
 
 A copy that is installed but not imported yet is read from its source file (no torch needed), so
-``status()`` right after ``import mfsdp_hotfix`` already says what would apply.
+``status()`` right after ``import mfsdp_hotfix`` already says what would apply. A copy the process
+imported while the hotfix was off (or after ``uninstall()``) is read from its imported module and
+reported ``imported``, with nothing applied.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def status() -> dict[str, Any]:
     settings, installed, records = installer.view()
     settings = settings or settings_module.read(known_fixes=registry.FIX_IDS)
     copies = [_record_dict(record) for record in records]
-    seen = {record.detection.copy.package for record in records}
+    unpatched = installer.imported_unpatched()
+    copies += [judged_offline(found, settings, imported=True) for found in unpatched]
+    seen = {r.detection.copy.package for r in records} | {f.copy.package for f in unpatched}
     for copy in registry.COPIES:
         if copy.package not in seen:
             copies.extend(_not_imported(copy, settings))
@@ -95,14 +99,15 @@ def _not_imported(copy: Copy, settings: settings_module.Settings) -> list[dict[s
     return [judged_offline(detection.detect_file(copy, buffer_file), settings)]
 
 
-def judged_offline(found: detection.Detection, settings: settings_module.Settings
-                   ) -> dict[str, Any]:
-    """A copy read from its source file, as ``status`` lists it: what would apply, and why."""
+def judged_offline(found: detection.Detection, settings: settings_module.Settings,
+                   imported: bool = False) -> dict[str, Any]:
+    """A copy the hotfix has not handled, as ``status`` lists it (read from its source, or
+    imported while the hotfix was off): what would apply, and why."""
     fixes: dict[str, dict[str, str]] = {}
     states: dict[str, tuple[str, str]] = {}
     for fix in [] if found.refused else registry.FIXES:
         state, reason = states[fix.id] = installer.fix_state(fix, found, settings)
         fixes[fix.id] = {"state": state,
                          "reason": fix.summary if state == installer.WOULD_APPLY else reason}
-    return {**found.as_dict(), "imported": False, "fixes": fixes,
+    return {**found.as_dict(), "imported": imported, "fixes": fixes,
             "limits": coverage.limits(found, states), "models_repaired": 0}

@@ -4,6 +4,7 @@ unpatched and a refused install, without torch."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -61,14 +62,44 @@ def test_switched_off_install_fails_the_check(fsdp_release) -> None:
 
 
 def test_switched_off_says_off_everywhere(fsdp_release) -> None:
-    """Off is off: no fix "would apply" under MFSDP_HOTFIX=0, in the JSON or the text."""
+    """Off is off: no fix "would apply" under MFSDP_HOTFIX=0, in the JSON or the text; a fix
+    the copy does not need stays "not needed"."""
     _, data = status(fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"})
     assert data["hotfix"] == "off"
-    assert {fix["state"] for fix in data["copies"][0]["fixes"].values()} == {"off"}
+    assert {k: fix["state"] for k, fix in data["copies"][0]["fixes"].items()} == {
+        "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed"}
     proc = run_python("", fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"},
                       args=("-m", "mfsdp_hotfix", "status"))
     assert "hotfix: off" in proc.stdout and "would apply" not in proc.stdout
     assert "getter-guard: off (MFSDP_HOTFIX=0)" in proc.stdout
+
+
+@pytest.mark.parametrize(("version", "needed"), [
+    ("0.6.1", ["ordered-drain"]),  # era C: the getter is guarded, stale units released lazily
+    ("0.4.0", ["getter-guard", "ordered-drain"]),  # its hooks release stale units lazily
+    ("0.1.0", ["getter-guard", "ordered-drain", "missed-post-backward"]),
+])
+def test_switched_off_leaves_unfixed_only_what_the_copy_needs(fsdp_release, version: str,
+                                                              needed: list[str]) -> None:
+    """Under MFSDP_HOTFIX=0, "Left unfixed" and the limits' advice name only the fixes this
+    copy needs (no "upgrade to megatron-fsdp >= 0.6.0" for 0.6.1)."""
+    code, data = status(fsdp_release(version), env={"MFSDP_HOTFIX": "0"})
+    (copy,) = data["copies"]
+    assert code == 1 and [x["fix"] for x in copy["limits"]] == needed
+    assert [line.rsplit(": ", 1)[1].split()[0] for line in data["unfixed"]] == needed
+    if version == "0.6.1":
+        assert ">=" not in json.dumps(copy["limits"]), copy["limits"]
+
+
+def test_an_imported_copy_is_reported_imported_with_the_hotfix_off(fsdp_release) -> None:
+    """MFSDP_HOTFIX=0 (diagnosing a release as shipped): summary() and status() still say
+    which copy this process imported, and that nothing was applied to it."""
+    proc = run_python("import megatron_fsdp, mfsdp_hotfix\nprint(mfsdp_hotfix.summary())\n"
+                      "print(mfsdp_hotfix.status()['copies'][0]['imported'])",
+                      fsdp_release("0.6.1"), env={"MFSDP_HOTFIX": "0"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "mfsdp_hotfix: megatron-fsdp 0.6.1 era C: nothing applied (MFSDP_HOTFIX=0)", "True"]
 
 
 def test_misspelt_variable_is_named_with_the_closest_known_one(fsdp_release) -> None:
@@ -152,3 +183,42 @@ def test_selftest_without_numpy_says_it_cannot_run() -> None:
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "selftest: FAIL: cannot run: no numpy in this environment."), proc.stderr
+
+
+def test_version() -> None:
+    from mfsdp_hotfix import __version__
+
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "--version"))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"mfsdp-hotfix {__version__}\n", "")
+
+
+def test_no_command_lists_the_commands_one_line_each() -> None:
+    """Bare ``mfsdp-hotfix`` is a usage error (exit 2) that shows every command."""
+    proc = run_python("", args=("-c", NO_TORCH), env={"COLUMNS": "100"})
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    listed = re.findall(r"^    (\S+) +\S", proc.stderr, re.M)
+    assert listed == ["status", "selftest", "run", "audit", "bootstrap-path", "help"], proc.stderr
+    assert proc.stderr.rstrip().endswith("'mfsdp-hotfix help COMMAND' shows its options)")
+
+
+@pytest.mark.parametrize("command", ["", "status", "audit"])
+def test_help_command_prints_what_help_prints(command: str) -> None:
+    """``mfsdp-hotfix help [COMMAND]`` is ``mfsdp-hotfix [COMMAND] --help``."""
+    want = run_python("", args=("-c", NO_TORCH, *command.split(), "--help"))
+    got = run_python("", args=("-c", NO_TORCH, "help", *command.split()))
+    assert (got.returncode, got.stdout, got.stderr) == (0, want.stdout, ""), got.stderr
+    assert want.returncode == 0 and want.stdout.startswith(f"usage: mfsdp-hotfix {command}")
+
+
+def test_help_of_an_unknown_command_is_a_usage_error() -> None:
+    proc = run_python("", args=("-c", NO_TORCH, "help", "frobnicate"))
+    assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr
+
+
+def test_selftest_says_it_does_not_pass_the_audit_on() -> None:
+    """``mfsdp-hotfix audit -- mfsdp-hotfix selftest`` ends NO DATA; the selftest says why."""
+    proc = run_python("", args=("-c", NO_TORCH, "selftest"), env={"MFSDP_HOTFIX_AUDIT": "a"})
+    assert proc.returncode == 2 and proc.stdout.startswith(
+        "selftest: note: MFSDP_HOTFIX_AUDIT is set (as 'mfsdp-hotfix audit' sets it), but the "
+        "selftest does not pass it to its workers"), proc.stdout
+    assert "'mfsdp-hotfix selftest --audit' audits each run" in proc.stdout

@@ -24,9 +24,9 @@ json.dump({"rank": 0, "world_size": 1, "final": True, "audit": "on", "copies": [
 """
 
 
-def _audit(tmp_path: Path, *command: str) -> tuple[int, list[str]]:
+def _audit(tmp_path: Path, *command: str, overwrite: bool = False) -> tuple[int, list[str]]:
     out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "a"),
-                               "--", *command))
+                               *(["--overwrite"] if overwrite else []), "--", *command))
     return out.returncode, out.stdout.splitlines()
 
 
@@ -39,8 +39,8 @@ def test_the_verdict_is_the_last_line_and_sets_the_exit_status(tmp_path: Path) -
     assert lines[-1].startswith("audit: UNORDERED: ") and lines[-1].endswith(
         "(command exit status 0)")
     status, lines = _audit(tmp_path, sys.executable, "-c", WRITE_RANK_FILE,
-                           str(bootstrap.SITECUSTOMIZE_DIR), "0", "36")
-    assert lines[0].endswith("(1 from an earlier run removed first)")
+                           str(bootstrap.SITECUSTOMIZE_DIR), "0", "36", overwrite=True)
+    assert lines[0].endswith("(1 from an earlier run deleted first: --overwrite)")
     assert lines[-1].startswith("audit: ordered: every gradient-slot reuse") and status == 0
 
 
@@ -54,7 +54,8 @@ def test_nothing_checked_is_not_ordered_and_not_exit_0(tmp_path: Path) -> None:
 
 def test_no_rank_file_is_no_data_and_a_failing_command_keeps_its_status(tmp_path: Path) -> None:
     (tmp_path / "a.rank3.json").write_text(json.dumps({"rank": 3, "copies": []}))
-    status, lines = _audit(tmp_path, sys.executable, "-c", "raise SystemExit(3)")
+    status, lines = _audit(tmp_path, sys.executable, "-c", "raise SystemExit(3)",
+                           overwrite=True)
     assert status == 3  # the command's own failure wins
     assert lines[-1].startswith("audit: NO DATA: ") and not (tmp_path / "a.rank3.json").exists()
 
@@ -62,3 +63,25 @@ def test_no_rank_file_is_no_data_and_a_failing_command_keeps_its_status(tmp_path
 def test_a_command_is_required(tmp_path: Path) -> None:
     out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "a")))
     assert out.returncode == 2 and "audit needs a command" in out.stderr
+
+
+def test_an_earlier_run_is_kept_unless_overwrite_is_given(tmp_path: Path) -> None:
+    """Rank files already at --out are evidence: the audit refuses before running anything and
+    names the flag that deletes them."""
+    earlier = tmp_path / "a.rank0.json"
+    earlier.write_text("{}")
+    out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "a"),
+                               "--", "touch", str(tmp_path / "ran")))
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert "rank files of an earlier run are there (a.rank0.json)" in out.stderr, out.stderr
+    assert "add --overwrite to delete them first; nothing was run" in out.stderr, out.stderr
+    assert earlier.read_text() == "{}" and not (tmp_path / "ran").exists()
+
+
+def test_a_missing_folder_is_created_and_said_so(tmp_path: Path) -> None:
+    out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out",
+                               str(tmp_path / "new" / "deeper" / "a"), "--", "true"))
+    assert (tmp_path / "new" / "deeper").is_dir(), out.stderr
+    assert (f"mfsdp-hotfix audit: created the folder {tmp_path / 'new' / 'deeper'} for the "
+            "rank files") in out.stderr
+    assert out.stdout.splitlines()[-1].startswith("audit: NO DATA: ") and out.returncode == 4

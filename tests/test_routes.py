@@ -148,15 +148,24 @@ def test_status(installed: Installed) -> None:
 
 
 def test_switched_off(installed: Installed) -> None:
-    """``MFSDP_HOTFIX=0``: status says off and --check fails; a job's process patches nothing."""
+    """``MFSDP_HOTFIX=0``: status says off and --check fails, leaving unfixed only what 0.5.1
+    needs; a job's process patches nothing, and says which copy it imported."""
     check = installed.sh("MFSDP_HOTFIX=0 mfsdp-hotfix status --check")
     assert check.returncode == 1 and "  hotfix: off " in check.stdout, check.stdout[-2000:]
-    proc = installed.sh("MFSDP_HOTFIX=0 python -c 'import megatron_fsdp.megatron_fsdp, "
-                        "mfsdp_hotfix, json; s = mfsdp_hotfix.status(); print(json.dumps("
+    assert "    missed-post-backward: not needed (" in check.stdout, check.stdout[-2000:]
+    unfixed = check.stdout.split("\nLeft unfixed:\n", 1)[1].splitlines()
+    assert [line.rsplit(": ", 1)[1] for line in unfixed] == [
+        "getter-guard off (MFSDP_HOTFIX=0)", "ordered-drain off (MFSDP_HOTFIX=0)"], unfixed
+    proc = installed.sh("MFSDP_HOTFIX=0 python -c 'import megatron_fsdp, mfsdp_hotfix; "
+                        "print(mfsdp_hotfix.summary()); "
+                        "print(mfsdp_hotfix.status()[\"copies\"][0][\"imported\"])\n"
+                        "import json; s = mfsdp_hotfix.status(); print(json.dumps("
                         "[s[\"hotfix\"], s[\"loaded_via\"], s[\"copies\"][0][\"fixes\"]"
                         "[\"getter-guard\"][\"state\"]]))'")
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == ["off", "pth", "off"]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary, imported, states = proc.stdout.splitlines()
+    assert summary == "mfsdp_hotfix: megatron-fsdp 0.5.1 era B: nothing applied (MFSDP_HOTFIX=0)"
+    assert imported == "True" and json.loads(states) == ["off", "pth", "off"]
 
 
 @pytest.mark.parametrize("bootstrap, loaded_via, state", [
@@ -202,7 +211,8 @@ def test_selftest_audit(installed: Installed) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     audit = [line for line in lines if line.startswith("audit, ")]
     assert len(audit) == 2 and all(line.endswith("audit on: agrees") for line in audit), audit
-    assert re.match(r"audit, without hotfix: [1-9]\d* unordered of [1-9]\d* reuses", audit[0])
+    assert re.match(r"audit, without hotfix: [1-9]\d* unordered of [1-9]\d* gradient-slot reuses",
+                    audit[0])
     assert lines[-1].startswith("selftest: PASS: ") and lines[-1].endswith(
         "the audit's counts equal the stand-in's"), lines[-1]
 
@@ -235,6 +245,55 @@ def test_audit(installed: Installed, tmp_path: Path, switch: str,
     job = _job_line(proc.stdout)
     assert job["loaded_via"] == "sitecustomize" and not job["crashed"], job
     assert job["max_abs_grad_error"] == 0.0, job
+
+
+def test_the_example_job_through_the_audit(installed: Installed) -> None:
+    """examples/train_fsdp.py as docs/AUDIT.md runs it (``--standalone`` added: a free port,
+    whatever else runs here): the audit creates the folder and says so, rank 0's job line
+    reaches stderr although its verdict, ordered, is INFO; run again, it keeps the first run's
+    rank files unless --overwrite is given."""
+    shutil.copy(REPO / "examples" / "train_fsdp.py", installed.work / "train_fsdp.py")
+    shutil.rmtree(installed.work / "audit", ignore_errors=True)
+    command = ("mfsdp-hotfix audit --out audit/example -- torchrun --standalone "
+               "--nproc-per-node 2 train_fsdp.py")
+    proc = installed.sh(command)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.stderr.startswith(f"mfsdp-hotfix audit: created the folder "
+                                  f"{installed.work / 'audit'} for the rank files"), proc.stderr
+    assert re.search(r"^mfsdp_hotfix audit, 2 ranks: ordered: 0 unordered of [1-9]\d* "
+                     r"gradient-slot reuses", proc.stderr, re.M), proc.stderr[-3000:]
+    assert "mfsdp_hotfix: megatron-fsdp 0.5.1 era B: getter-guard, ordered-drain" in proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("audit: ordered: ")
+    files = sorted((installed.work / "audit").iterdir())
+    written = [f.read_bytes() for f in files]
+    again = installed.sh(command)
+    assert again.returncode == 2 and again.stdout == "", again.stdout
+    assert "add --overwrite to delete them first; nothing was run" in again.stderr
+    assert [f.read_bytes() for f in sorted((installed.work / "audit").iterdir())] == written
+
+
+def test_audit_around_the_selftest_says_why_it_has_no_data(installed: Installed,
+                                                          tmp_path: Path) -> None:
+    """``mfsdp-hotfix audit --out P -- mfsdp-hotfix selftest``: the selftest says that it does
+    not pass the audit on (here ``selftest --gpu`` without a GPU, which says it at once)."""
+    proc = installed.sh(f"mfsdp-hotfix audit --out {tmp_path / 'p'} -- mfsdp-hotfix selftest "
+                        "--gpu", env={"CUDA_VISIBLE_DEVICES": ""})
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 2 and lines[0].startswith(
+        "selftest: note: MFSDP_HOTFIX_AUDIT is set (as 'mfsdp-hotfix audit' sets it), but the "
+        "selftest does not pass it to its workers"), proc.stdout
+    assert lines[-1].startswith("audit: NO DATA: ") and "selftest --audit" in proc.stdout
+
+
+def test_version_and_help(installed: Installed) -> None:
+    version = installed.sh("mfsdp-hotfix --version; pip show mfsdp-hotfix")
+    assert version.returncode == 0, version.stderr
+    assert re.search(r"^Version: (\S+)$", version.stdout, re.M).group(1) == (
+        version.stdout.splitlines()[0].removeprefix("mfsdp-hotfix "))
+    for topic in ("", " audit"):
+        helped = installed.sh(f"mfsdp-hotfix help{topic}")
+        assert helped.returncode == 0 and helped.stderr == "", helped.stderr
+        assert helped.stdout == installed.sh(f"mfsdp-hotfix{topic} --help").stdout
 
 
 def test_run(installed: Installed) -> None:
@@ -284,7 +343,7 @@ def test_interpreter_flags(installed: Installed, command: str, loaded_via: str) 
 
 
 def test_no_command_or_an_unknown_one(installed: Installed) -> None:
-    for command, words in ((readme("mfsdp-hotfix"), "the following arguments are required"),
+    for command, words in ((readme("mfsdp-hotfix"), "bootstrap-path  print the folder"),
                            ("mfsdp-hotfix frobnicate", "invalid choice: 'frobnicate'"),
                            ("mfsdp-hotfix run", "run needs a command"),
                            ("mfsdp-hotfix audit -- true", "required: --out"),
@@ -339,7 +398,8 @@ def test_a_closed_pipe_is_quiet(installed: Installed) -> None:
         assert (gone.returncode, gone.stderr) == (141, ""), (command, gone.stderr)
 
 
-@pytest.mark.parametrize("command", ["", "status", "selftest", "run", "audit", "bootstrap-path"])
+@pytest.mark.parametrize("command", ["", "status", "selftest", "run", "audit", "bootstrap-path",
+                                     "help"])
 def test_help_is_plain(installed: Installed, command: str) -> None:
     """Plain text at 80 columns: no markup, every argument explained, no traceback."""
     proc = installed.sh(f"mfsdp-hotfix {command} --help", env={"COLUMNS": "80"})

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -258,7 +259,17 @@ class _Audit:
         if found is not None:
             verdict, line = report.job_line(found, world, self.path,
                                             self.settings.cross_rank_timeout)
-            (log.info if verdict == "ordered" else log.warning)("%s", line)
+            _tell(logging.INFO if verdict == "ordered" else logging.WARNING, line)
+
+
+def _tell(level: int, line: str) -> None:
+    """The job's verdict line reaches a person whatever the verdict: through the
+    ``mfsdp_hotfix`` logger where logging is set up to emit it at ``level``, else on stderr
+    (an ``ordered`` line is INFO, which unconfigured logging drops)."""
+    if log.isEnabledFor(level) and log.hasHandlers():
+        log.log(level, "%s", line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _process_group() -> tuple[Any, int, int] | None:

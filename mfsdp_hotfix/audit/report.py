@@ -227,13 +227,15 @@ def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[
         return "NO DATA", [f"no rank file {path}.rank<N>.json was written: no Megatron-FSDP "
                            "copy was imported, the hotfix was not loaded in the training "
                            "processes (run through `mfsdp-hotfix audit` or the installed "
-                           "bootstrap), or no finish_grad_sync() ran"]
+                           "bootstrap), no finish_grad_sync() ran, or the command did not pass "
+                           "MFSDP_HOTFIX_AUDIT on to them (`mfsdp-hotfix selftest` does not: "
+                           "use `mfsdp-hotfix selftest --audit`)"]
     lines = []
     per_copy: dict[tuple[str, str, str, str], dict[str, Any]] = {}
     for rank, report in sorted(reports.items()):
         for copy in report.get("copies", []):
             key = (str(copy.get("package")), str(copy.get("version")), str(copy.get("era")),
-                   ",".join(copy.get("fixes") or []) or "none")
+                   ", ".join(copy.get("fixes") or []) or "none")
             entry = per_copy.setdefault(key, {"ranks": [], "reuses": 0, "unordered": 0,
                                               "unseen": 0,
                                               "unordered_ranks": [], "crashed": [],

@@ -246,7 +246,7 @@ def format_gpu_table(plan: GpuPlan, results: dict[str, GpuRunResult]) -> str:
         lines.append(f"GPU: {first.gpu}" + (f"; TransformerEngine {first.te_version}"
                                             if first.te_version else ""))
     header = ("run", "outcome", "rel. L2 vs serialized", "max |diff|",
-              "audit unordered/reuses", "delayed RS", "time s")
+              "audit: unordered/reuses", "delayed RS", "time s")
     rows = [header]
     for name in SERIALIZED + ASYNCHRONOUS:
         r = results.get(name)
@@ -309,14 +309,14 @@ def layer_words(plan: GpuPlan, results: dict[str, GpuRunResult]) -> str:
 def shipped_meaning(shipped: GpuRunResult) -> str:
     """What the run without the hotfix showed, in words."""
     outcome = shipped.outcome()
-    audit = (f"the audit found {shipped.audit_unordered} of {shipped.audit_reuses} slot reuses "
-             "unordered" if shipped.audit_reuses is not None else "no audit counts")
+    audit = (f"the audit found {shipped.audit_unordered} unordered of {shipped.audit_reuses} "
+             "gradient-slot reuses" if shipped.audit_reuses is not None else "no audit counts")
     if outcome == "crash":
         first = _first_line(shipped.exception)
         if shipped.audit_crashed:
             audit = "the audit recorded the crash" + (
-                f" after {shipped.audit_unordered} of {shipped.audit_reuses} slot reuses "
-                "unordered" if shipped.audit_reuses else "")
+                f" after {shipped.audit_unordered} unordered of {shipped.audit_reuses} "
+                "gradient-slot reuses" if shipped.audit_reuses else "")
         return f"as shipped: CRASH ({first}); {audit}"
     if outcome == "wrong":
         return (f"as shipped: WRONG gradients (rel. L2 {_cell(shipped.rel_l2, '.3g')} vs its "
@@ -357,16 +357,16 @@ def conclusion(plan: GpuPlan, results: dict[str, GpuRunResult]) -> tuple[bool, s
         if audit_problem is not None:
             problem = f"with the hotfix: {audit_problem}"
         elif hotfix.audit_unordered:
-            problem = (f"with the hotfix, the audit found {hotfix.audit_unordered} of "
-                       f"{hotfix.audit_reuses} slot reuses unordered: please report this")
+            problem = (f"with the hotfix, the audit found {hotfix.audit_unordered} unordered of "
+                       f"{hotfix.audit_reuses} gradient-slot reuses: please report this")
     passed = problem is None
     if passed:
         assert hotfix is not None
         delay = (f", {hotfix.rs_delayed} reduce-scatters delayed {hotfix.run.delay_ms:g} ms"
                  if hotfix.run.delay_ms else ", no reduce-scatter delay")
         detail = (f"on {where}, {what} with {layer_words(plan, results)}{delay}: with the hotfix "
-                  "the gradients are bit-identical to the serialized run and the audit found 0 of "
-                  f"{hotfix.audit_reuses} slot reuses unordered")
+                  "the gradients are bit-identical to the serialized run and the audit found 0 "
+                  f"unordered of {hotfix.audit_reuses} gradient-slot reuses")
     else:
         detail = f"on {where}, {what} with {layer_words(plan, results)}: {problem}"
     if shipped is not None:

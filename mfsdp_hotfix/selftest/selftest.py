@@ -53,8 +53,8 @@ def conclusion(runs: list[tuple[str, CaseResult]]) -> tuple[bool, str]:
     what = (f"{release.get('dist')} {release.get('version')}" if release.get("dist")
             else "Megatron-FSDP")
     if passed:
-        detail = (f"with the hotfix, {what} ran without a crash, gradients equal plain PyTorch "
-                  f"and {after.ordering_checks or 0} buffer slot reuse(s) were all ordered")
+        detail = (f"with the hotfix, {what} ran without a crash, gradients equal plain "
+                  f"PyTorch, 0 unordered of {after.ordering_checks or 0} gradient-slot reuses")
     else:
         detail = f"with the hotfix, {what}: {verdict(after)}: {_MEANING[verdict(after)]}"
         if after.exception:
@@ -97,7 +97,7 @@ def format_audit(results: list[tuple[str, CaseResult]]) -> str:
     lines = []
     for name, r in results:
         lines.append(f"audit, {name}: {_cell(r.audit_unordered, 'd')} unordered of "
-                     f"{_cell(r.audit_reuses, 'd')} reuses"
+                     f"{_cell(r.audit_reuses, 'd')} gradient-slot reuses"
                      + (", crash recorded" if r.audit_crashed else "")
                      + f" (stand-in: {_cell(r.ordering_violations, 'd')} of "
                      f"{_cell(r.ordering_checks, 'd')}); audit {r.audit_state}: "
@@ -111,7 +111,7 @@ def _cell(value: float | None, fmt: str) -> str:
 
 def format_table(results: list[tuple[str, CaseResult]]) -> str:
     """A plain-text table: one row per run."""
-    header = ("run", "result", "crash", "max |grad err|", "ordering viol./checks", "time s")
+    header = ("run", "result", "crash", "max |grad err|", "unordered/reuses", "time s")
     rows = [header]
     for name, r in results:
         ordering = (f"{_cell(r.ordering_violations, 'd')}/{_cell(r.ordering_checks, 'd')}")

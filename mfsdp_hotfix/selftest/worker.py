@@ -108,15 +108,39 @@ def _gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]],
     return full
 
 
-def wrap(fully_shard: ModuleType, module: Any, unit_cls: type, strategy: str,
+def fully_shard_model_of(release: Any) -> Any:
+    """Megatron-FSDP's ``fully_shard_model`` from whatever names it: the package
+    (``megatron_fsdp`` or megatron-core's vendored copy), its ``fully_shard`` module, the
+    ``fully_shard`` function the package exports under the same name, or ``fully_shard_model``
+    itself; anything else is a TypeError that says what is accepted."""
+    found = None
+    if isinstance(release, ModuleType):
+        found = getattr(release, "fully_shard_model", None)
+    elif callable(release) and getattr(release, "__name__", None) in ("fully_shard",
+                                                                       "fully_shard_model"):
+        found = getattr(sys.modules.get(getattr(release, "__module__", "") or ""),
+                        "fully_shard_model", None)
+    if not callable(found):
+        raise TypeError(
+            "wrap() takes Megatron-FSDP as its first argument: the package (megatron_fsdp, or "
+            "megatron.core.distributed.fsdp.src.megatron_fsdp), its fully_shard module or "
+            f"function, or fully_shard_model; got {release!r}")
+    return found
+
+
+def wrap(release: Any, module: Any, unit_cls: type, strategy: str,
          double_buffer: bool, device: Any, per_token_loss: bool = False,
          options: dict[str, Any] | None = None, outer: int = 1,
          grad_comm_dtype: str | None = None) -> Any:
     """``fully_shard_model`` over all ranks of the default group, as a (ranks, 1) dp/tp mesh
     (megatron-fsdp 0.5.x needs a registered TP submesh), with the options this release accepts;
-    ``options`` must all be accepted. ``outer`` > 1: HSDP, an (outer, ranks/outer, 1) mesh."""
+    ``options`` must all be accepted. ``outer`` > 1: HSDP, an (outer, ranks/outer, 1) mesh.
+    ``release``: Megatron-FSDP, as :func:`fully_shard_model_of` accepts it (e.g.
+    ``megatron_fsdp``, or ``from megatron_fsdp import fully_shard``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    fully_shard_model = fully_shard_model_of(release)
 
     world = dist.get_world_size()
     hybrid: dict[str, Any] = {}
@@ -130,7 +154,7 @@ def wrap(fully_shard: ModuleType, module: Any, unit_cls: type, strategy: str,
     if grad_comm_dtype is not None:
         import torch
 
-        mixed = importlib.import_module(fully_shard.__name__.rsplit(".", 1)[0]
+        mixed = importlib.import_module(fully_shard_model.__module__.rsplit(".", 1)[0]
                                         + ".mixed_precision")
         hybrid["mixed_precision_policy"] = mixed.MixedPrecisionPolicy(
             grad_comm_dtype=getattr(torch, grad_comm_dtype))
@@ -142,13 +166,12 @@ def wrap(fully_shard: ModuleType, module: Any, unit_cls: type, strategy: str,
         "overlap_grad_reduce": True, "overlap_param_gather": True,
         "calculate_per_token_loss": per_token_loss,
     }
-    accepted = inspect.signature(fully_shard.fully_shard_model).parameters
+    accepted = inspect.signature(fully_shard_model).parameters
     required = {**hybrid, **(options or {})}
     unknown = sorted(set(required) - set(accepted))
     if unknown:
         raise TypeError(f"this release's fully_shard_model has no option {', '.join(unknown)}")
-    model = fully_shard.fully_shard_model(**{k: v for k, v in wanted.items() if k in accepted},
-                                          **required)
+    model = fully_shard_model(**{k: v for k, v in wanted.items() if k in accepted}, **required)
     # gloo has no PREMUL_SUM: scale first, then SUM (a setting, not a patch; the GPU runs use
     # the same, so that every backend reduces alike).
     if hasattr(model.ddp_config, "gradient_reduce_div_fusion"):

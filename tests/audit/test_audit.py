@@ -124,3 +124,15 @@ def test_the_rank_file_is_rewritten_after_every_finish_grad_sync(tmp_path: Path)
         state.after_step()
         written = json.loads((tmp_path / "audit.rank0.json").read_text())
         assert (written["finish_grad_sync_calls"], written["final"]) == (step, False)
+
+
+@pytest.mark.parametrize("setup, want", [
+    ("", "LINE\n"),  # logging not configured: INFO would be dropped, so stderr
+    ("logging.basicConfig()", "LINE\n"),  # configured at WARNING: INFO filtered, so stderr
+    ("logging.basicConfig(level=logging.INFO)", "INFO:mfsdp_hotfix:LINE\n"),  # logged, once
+])
+def test_the_job_line_reaches_stderr_whatever_the_verdict(setup: str, want: str) -> None:
+    """An ``ordered`` job line is INFO; it still reaches a person where logging would drop it."""
+    proc = run_python(f"import logging\n{setup}\nfrom mfsdp_hotfix import audit\n"
+                      "audit._tell(logging.INFO, 'LINE')")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", want), proc.stderr

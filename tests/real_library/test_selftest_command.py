@@ -67,7 +67,8 @@ def test_audit_with_the_default_flavour_agrees() -> None:
                       args=("-m", "mfsdp_hotfix", "selftest", "--audit"), timeout=600)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "audit, without hotfix: 24 unordered of 36 reuses (stand-in: 24 of 36); audit on: " \
+    assert "audit, without hotfix: 24 unordered of 36 gradient-slot reuses (stand-in: 24 of " \
+           "36); audit on: " \
            "agrees" in lines, proc.stdout[-3000:]
     assert lines[-1].startswith("selftest: PASS: ") and lines[-1].endswith(
         "the audit's counts equal the stand-in's"), lines[-1]

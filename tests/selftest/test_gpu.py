@@ -186,9 +186,9 @@ def test_pass_hotfix_exact_and_audit_ordered() -> None:
     assert passed
     assert line == ("selftest: PASS: on 1 GPU, megatron-fsdp 0.6.1 with te.LayerNormMLP (TE "
                     "2.20.2), 48 reduce-scatters delayed 20 ms: with the hotfix the gradients are "
-                    "bit-identical to the serialized run and the audit found 0 of 16 slot reuses "
-                    "unordered; as shipped: WRONG gradients (rel. L2 0.7 vs its serialized run); "
-                    "the audit found 12 of 16 slot reuses unordered")
+                    "bit-identical to the serialized run and the audit found 0 unordered of 16 "
+                    "gradient-slot reuses; as shipped: WRONG gradients (rel. L2 0.7 vs its "
+                    "serialized run); the audit found 12 unordered of 16 gradient-slot reuses")
 
 
 @pytest.mark.parametrize(("hotfix", "words"), [
@@ -200,7 +200,7 @@ def test_pass_hotfix_exact_and_audit_ordered() -> None:
     (merge(RUNS["hotfix"], [_report(**_compared(True))], [_audit(0, 0)], [0], False),
      "the audit saw 0 gradient-slot reuses, so it checked nothing"),
     (merge(RUNS["hotfix"], [_report(**_compared(True))], [_audit(16, 2)], [0], False),
-     "the audit found 2 of 16 slot reuses unordered"),
+     "the audit found 2 unordered of 16 gradient-slot reuses"),
     (merge(RUNS["hotfix"], [_report(**_compared(True))], [], [0], False),
      "the audit wrote 0 of 1 rank file(s)"),
     (merge(RUNS["hotfix"], [_report(**_compared(True))], [_audit(16, 0, "disabled: x")], [0],
@@ -229,11 +229,11 @@ def test_fail_when_the_truth_crashed() -> None:
      "as shipped: CRASH (AssertionError: No buffer found for bucket_id: 3); the audit recorded "
      "the crash"),
     (merge(RUNS["shipped"], [_report(**_compared(True))], [_audit(16, 12)], [0], False),
-     "as shipped: gradients exact in this run, but the audit found 12 of 16 slot reuses "
-     "unordered: the race is there and this run's timing did not expose it"),
+     "as shipped: gradients exact in this run, but the audit found 12 unordered of 16 "
+     "gradient-slot reuses: the race is there and this run's timing did not expose it"),
     (merge(RUNS["shipped"], [_report(**_compared(True))], [_audit(16, 0)], [0], False),
-     "as shipped: gradients exact and the audit found 0 of 16 slot reuses unordered: this copy "
-     "shows no slot race in this configuration"),
+     "as shipped: gradients exact and the audit found 0 unordered of 16 gradient-slot reuses: "
+     "this copy shows no slot race in this configuration"),
 ])
 def test_the_shipped_run_is_reported_not_judged(shipped: GpuRunResult, words: str) -> None:
     passed, line = gpu.conclusion(PLAN, _results(PLAN, shipped=shipped))

@@ -42,7 +42,7 @@ def test_conclusion_is_one_greppable_line() -> None:
                         ordering_violations=24, release=release)
     passed, line = conclusion([("without hotfix", crashed), ("with hotfix", fine)])
     assert passed and line.startswith("selftest: PASS: with the hotfix, megatron-fsdp 0.4.0")
-    assert "36 buffer slot reuse(s) were all ordered" in line and line.endswith("without it: CRASH")
+    assert "0 unordered of 36 gradient-slot reuses" in line and line.endswith("without it: CRASH")
     passed, line = conclusion([("without hotfix", unordered), ("with hotfix", unordered)])
     assert not passed and line.startswith("selftest: FAIL: with the hotfix, megatron-fsdp 0.4.0: "
                                           "UNORDERED")
