@@ -3,8 +3,10 @@
 
     python3 validation/run_matrix.py --phase smoke|matrix|perf --out "$OUT"
 
-On the device machine it unpacks the carried wheels (``validation/wheels/*.whl``) into one folder
-per release under /tmp (never two Megatron-FSDP copies on one path), calibrates
+Phases ``issueb``, ``issueb2`` and ``issueb3`` examine the second defect reported for ZeRO-3 on
+megatron-fsdp <= 0.5.x (docs/VALIDATION.md, "ZeRO-3: the second reported defect"); the names stay
+as the committed records carry them. On the GPU machine it unpacks the wheels of
+``validation/wheels/*.whl`` into one folder per release under /tmp (never two Megatron-FSDP copies on one path), calibrates
 ``torch.cuda._sleep`` cycles per millisecond with CUDA events, then runs ``harness.py`` once per
 case: first the ground-truth runs (the same configuration under ``CUDA_LAUNCH_BLOCKING=1``), then
 the asynchronous runs, which compare their gradients against the truth of the same configuration.

@@ -49,7 +49,7 @@ def fix_states(result: CaseResult) -> dict[str, str]:
 def test_pr146_alone_leaves_slot_reuse_unordered(rebuilt: dict[str, str]) -> None:
     shipped = rocm(rebuilt["rocm-146"], "off")
     assert_matches_reference(shipped)  # the guard removed the crash ...
-    # ... but the drain on rs_stream orders only rs_stream: the measurement.
+    # ... but the drain on rs_stream orders only rs_stream: 32 of 44 reuses unordered.
     assert (shipped.ordering_violations, shipped.ordering_checks) == (32, 44), describe(shipped)
 
 
