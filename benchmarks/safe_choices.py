@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """What the safe choices cost: step time and peak memory with real TransformerEngine, one GPU.
 
-    source /tmp/te-env.sh && python3 benchmarks/safe_choices.py --out $OUT/safe_choices.json
+    python3 benchmarks/safe_choices.py --out $OUT/safe_choices.json   # GPU, TE importable
     python3 benchmarks/safe_choices.py --smoke --out $OUT/smoke.json   # tiny, every code path
     python3 benchmarks/safe_choices.py --dry                           # the plan; no GPU
-    python3 benchmarks/safe_choices.py --report safe_choices.json      # markdown for the README
+    python3 benchmarks/safe_choices.py --report safe_choices.json      # docs/PERFORMANCE.md
 
-Issue 19, item 4. Four variants of one model, each in its own worker process (the hotfix
+Four variants of one model, each in its own worker process (the hotfix
 patches at import, so it is per process):
 
 * ``hotfix``: ``import mfsdp_hotfix`` first, TE fused wgrad accumulation, ``fsdp_double_buffer``;
@@ -644,7 +644,7 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=220.0,
                     help="no group starts that would not finish within this many seconds")
     ap.add_argument("--hard-limit-s", type=float, default=300.0,
-                    help="no turn starts that could end later than this (the device call's "
+                    help="no turn starts that could end later than this (the machine's "
                          "limit, less TransformerEngine's setup)")
     ap.add_argument("--ready-timeout-s", type=float, default=150.0,
                     help="per worker start-up (imports, build, first warm-up)")
@@ -680,7 +680,7 @@ def main(argv=None):
     missing = sorted({g["release"] for g in groups} - set(rel_paths))
     if missing:
         raise SystemExit(f"no wheel for {missing} in {a.wheels}")
-    logdir = "/tmp/safe_choices_logs"  # not under $OUT: the device returns few files
+    logdir = "/tmp/safe_choices_logs"  # not under $OUT, which keeps only the results
     os.makedirs(logdir, exist_ok=True)
 
     def start_worker(spec):

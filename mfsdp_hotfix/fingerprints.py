@@ -1,8 +1,8 @@
 """Code-shape fingerprints: a hash of a function's source that ignores layout and comments.
 
-The normalisation matches ``shared/reference/bug-anatomy.md`` §8 (strip each line, drop empty and
-comment-only lines, join with newlines, sha256), so hashes computed here at runtime equal the ones
-computed offline from every released wheel. ``main_grad_getter`` is a closure created inside
+The normalisation (strip each line, drop empty and comment-only lines, join with newlines,
+sha256) is the one the registry's fingerprints were computed with from every released wheel, so
+hashes computed here at runtime equal them. ``main_grad_getter`` is a closure created inside
 ``ParamAndGradBuffer._init_each_parameter_group_buffers``; it is found in that method's code
 object, so nothing has to be built to fingerprint it.
 """

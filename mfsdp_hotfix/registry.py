@@ -2,8 +2,8 @@
 recognises in each of the three functions the fixes rest on (and what each shape implies), the
 releases that shipped which shapes, the eras those shapes form, and the fixes.
 
-Every fingerprint below was computed from the released wheels (see
-``shared/reference/bug-anatomy.md`` §8 and ``tests/test_detection.py``, which recomputes them).
+Every fingerprint below was computed from the released wheels (``tests/test_detection.py``
+recomputes them).
 A shape is named after the first megatron-core release that shipped it: ``"0.17"`` is the code
 as shipped in megatron-core 0.17.0 (and megatron-fsdp 0.4.0); :func:`shipped_in` says where else.
 """

@@ -45,7 +45,8 @@ FIX_STATES = {
     "off": f"{settings_module.SWITCH}=0",
 }
 SHAPE_MEANING = ("each function is judged by its own code: 'as shipped in 0.17' means its text "
-                 "equals release 0.17's, layout and comments aside; 'drains before fetching' "
+                 "equals megatron-core 0.17.0's, layout and comments aside (the releases of both "
+                 "distributions that shipped it follow in brackets); 'drains before fetching' "
                  "means a getter recognised by its structure")
 
 

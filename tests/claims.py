@@ -463,6 +463,76 @@ def only(values: Any) -> Any:
     return value
 
 
+def fuzz_failed_then_exact(rows: list[dict[str, Any]]) -> tuple[int, ...]:
+    """(wrong, crashed) shipped seeds, when every one of them is exact with the hotfix."""
+    hotfix = {(r["release"], r["seed"]): r["outcome"] for r in rows if r["variant"] == "hotfix"}
+    failed = [r for r in rows if r["variant"] == "shipped" and r["outcome"] != "exact"]
+    if any(hotfix[(r["release"], r["seed"])] != "exact" for r in failed):
+        return ()
+    return (sum(r["outcome"] == "wrong" for r in failed),
+            sum(r["outcome"] == "crash" for r in failed))
+
+
+def long_runs(rows: list[dict[str, Any]]) -> tuple[int, ...]:
+    """The hotfix long runs, when every one is exact (losses and final parameters too)."""
+    hotfix = [r for r in rows if r["variant"] == "hotfix"]
+    if not all(r["outcome"] == "exact" and r["losses_exact"] and r["params_exact"]
+               for r in hotfix):
+        return ()
+    return (len(hotfix), len({r["release"] for r in hotfix}), sum(r["fault"] for r in hotfix),
+            sum(not r["fault"] for r in hotfix), only(r["steps"] for r in hotfix),
+            only(r["microbatches"] for r in hotfix))
+
+
+def _fuzz_runs(raw: dict[str, Any], variant: str, serialized: bool) -> dict[tuple[str, int], Any]:
+    return {(r["spec"]["release"], r["spec"]["seed"]): r for r in raw["records"]
+            if r["spec"].get("phase") == "fuzz" and r["spec"]["variant"] == variant
+            and bool(r["spec"]["serialized"]) == serialized}
+
+
+def fuzz_fired(raw: dict[str, Any]) -> tuple[int, ...]:
+    """Seeds, and in how many a delay fired per stream (rs, ag, compute) and none at all,
+    counted on the hotfix runs, when every completed shipped run fired the same delays."""
+    hotfix, shipped = _fuzz_runs(raw, "hotfix", False), _fuzz_runs(raw, "shipped", False)
+    if any(not r["crashed"] and r["faults"]["delayed"] != hotfix[k]["faults"]["delayed"]
+           for k, r in shipped.items()):
+        return ()
+    fired = [r["faults"]["delayed"] for r in hotfix.values()]
+    return (len(fired), *(sum(d[s] > 0 for d in fired) for s in ("rs", "ag", "compute")),
+            sum(not any(d.values()) for d in fired))
+
+
+def fuzz_declared(raw: dict[str, Any]) -> dict[str, int]:
+    specs = [r["spec"]["faults"] for r in _fuzz_runs(raw, "hotfix", False).values()]
+    return {s: sum((f.get(s) or {}).get("p", 0) > 0 for f in specs)
+            for s in ("rs", "ag", "compute")}
+
+
+def fuzz_deterministic_crashes(raw: dict[str, Any]) -> tuple[int, ...]:
+    """0.4.0's crashed seeds, its seeds, and how many of them crash serialized too."""
+    shipped = {k: r for k, r in _fuzz_runs(raw, "shipped", False).items() if k[0] == "fsdp-0.4.0"}
+    serialized = _fuzz_runs(raw, "shipped", True)
+    crashed = [k for k, r in shipped.items() if r["crashed"]]
+    return (len(crashed), len(shipped), sum(serialized[k]["crashed"] for k in crashed))
+
+
+def fuzz_wrong_after_rs_delay(raw: dict[str, Any]) -> tuple[int, ...]:
+    wrong = [r for r in _fuzz_runs(raw, "shipped", False).values()
+             if not r["crashed"] and r["comparison"]["outcome"] == "wrong"]
+    return (len(wrong),) if all(r["faults"]["delayed"]["rs"] > 0 for r in wrong) else ()
+
+
+
+def te_later_releases(rows: list[dict[str, Any]]) -> set[str]:
+    return {r["release"] for r in rows if r["release"] != "fsdp-0.4.0"}
+
+
+def te_cases_per_release(rows: list[dict[str, Any]]) -> tuple[int, int]:
+    """Fusion-off cases of one release at one delay, and the layer set-ups among them."""
+    one = [r for r in rows if r["release"] == "fsdp-0.5.1" and not r["fuse"]
+           and r["variant"] == "shipped" and r["delay_ms"] == 0]
+    return len(one), len({(r["layer"], r["delay_wgrad"]) for r in one})
+
 def maxpool_audit(rows: list[dict[str, Any]], variant: str) -> tuple[int, int]:
     return only((r["audit_unordered"], r["audit_reuses"]) for r in rows
                 if r["variant"] == variant and r["delay_ms"] == 20)
@@ -604,6 +674,7 @@ def main() -> None:
 # occurs once; ``python tests/claims.py --unclaimed FILE`` shows what is left.
 
 README, VAL = "README.md", "docs/VALIDATION.md"
+PERF, USAGE = "docs/PERFORMANCE.md", "docs/USAGE.md"
 TE, BENCH = "te-summary.json", "bench-safe-choices-h200.json"
 REPORT, GPU = "python validation/report.py", "python validation/gpu_report.py"
 SELFTEST_DEFAULT = "selftest-gpu-h200-default-route.txt"
@@ -614,35 +685,36 @@ claim(README, "wrong gradients in {} of {} fusion-off cases", TE,
       lambda rows: (te_fusion_off(rows)["wrong"], te_fusion_off(rows)["later"]))
 claim(README, "relative L2 error {:.2f}–{:.2f} against the same run serialized", TE,
       lambda rows: te_fusion_off(rows)["l2"])
-claim(README, "({} of {} cases exact, at {} and {} ms)", TE,
+claim(README, "({} of {} cases exact, at {} and {} ms:", TE,
       lambda rows: (te_fusion_off(rows)["oldest_exact"], te_fusion_off(rows)["oldest"],
                     *te_fusion_off(rows)["oldest_delays"]))
 claim(README, "hotfix all {} fusion-off cases", TE, lambda rows: (te_fusion_off(rows)["hotfix"],))
-claim(README, "measured at {:.2f} B parameters", BENCH, lambda doc: (n_params_b(doc),))
-claim(README, "ratios lie between {:.3f} and {:.3f}", BENCH,
+claim(README, "{} fusion-off cases per release and delay ({} layer set-ups × ZeRO-2/3 × fp32/bf16",
+      TE, lambda rows: te_cases_per_release(rows))
+claim(README, "({} releases × {}; relative", TE,
+      lambda rows: (len(te_later_releases(rows)), te_cases_per_release(rows)[0]))
+claim(README, "the {} set-ups that release can run, at two delays", TE,
+      lambda rows: (te_fusion_off(rows)["oldest"] // 2,))
+claim(README, "({} × {} × {} delays, plus 0.4.0's {})", TE,
+      lambda rows: (len(te_later_releases(rows)), te_cases_per_release(rows)[0],
+                    len({r["delay_ms"] for r in rows}), te_fusion_off(rows)["oldest"]))
+claim(PERF, "measured at {:.2f} B parameters", BENCH, lambda doc: (n_params_b(doc),))
+claim(PERF, "ratios lie between {:.3f} and {:.3f}", BENCH,
       lambda doc: lo_hi([r["time_ratio"]["median"] for r in bench_rows(doc)]))
-claim(README, "takes {} % more peak memory at ZeRO-3 ({} % less at ZeRO-2)", BENCH,
+claim(PERF, "takes {} % more peak memory at ZeRO-3 ({} % less at ZeRO-2)", BENCH,
       lambda doc: (percent_off(bench(doc, "fsdp-0.6.1", 3, "no-db")["mem_ratio"]["median"]),
                    percent_off(bench(doc, "fsdp-0.6.1", 2, "no-db")["mem_ratio"]["median"])))
-claim(README, "the fusion-off workaround is about {:.0f} % slower", BENCH,
+claim(PERF, "the fusion-off workaround is about {:.0f} % slower", BENCH,
       lambda doc: (round(percent_off(max(r["time_ratio"]["median"] for r in bench_rows(doc)
                                          if r["variant"] == "fuse-off"))),))
-claim(README, "about {:.0f} s of runs plus the start of the command", SELFTEST_DEFAULT,
+claim(USAGE, "about {:.0f} s of runs plus the start of the command", SELFTEST_DEFAULT,
       lambda text: (selftest_seconds(text),))
-claim(README, "the shipped run wrong (relative L2 {}, the audit found {} of {} slot reuses",
+claim(USAGE, "the shipped run wrong (relative L2 {}, the audit found {} of {} slot reuses",
       SELFTEST_DEFAULT, lambda text: (selftest_line(text, "shipped")[1],
                                       *selftest_line(text, "shipped")[3].split("/")))
-claim(README, "with the emulated layer on 0.4.0, {:.0f} s, PASS", "selftest-gpu-h200.txt",
+claim(USAGE, "with the emulated layer on 0.4.0, {:.0f} s, PASS", "selftest-gpu-h200.txt",
       lambda text: (selftest_seconds(selftest_block(text, "megatron-fsdp 0.4.0")),))
-claim(README, "relative L2 gradient error {:.2f}–{:.2f} (fused-wgrad units) and {:.2f}–{:.2f} "
-      "(units with a LayerNorm)", REPORT,
-      lambda t: (*correctness_l2(t, 1), *correctness_l2(t, 2)))
-claim(README, "all {} cases ({} releases × {} unit kinds × {} delays) bit-identical", REPORT,
-      lambda t: (len(hotfix_cells(t)), len({r["release"] for r in t[0]}),
-                 len({r["unit"] for r in t[2]}),
-                 sum(c.startswith("RS delay") for c in t[0][0]))
-      if set(hotfix_cells(t)) == {"0 (bit-identical)"} else ())
-claim(README, "speed at {:.2f} B parameters, bf16, ~{:.0f} ms/step: {}× and {}× the upstream fix "
+claim(PERF, "speed at {:.2f} B parameters, bf16, ~{:.0f} ms/step: {}× and {}× the upstream fix "
       "as shipped (megatron-fsdp 0.6.1, delay {} and {} ms), {}× (megatron-core 0.19.2), within "
       "the {} % run-to-run spread; peak memory identical ({:.0f} MB)", "report.py cases",
       lambda cases: (perf_params_b(cases),
@@ -656,34 +728,10 @@ claim(README, "speed at {:.2f} B parameters, bf16, ~{:.0f} ms/step: {}× and {}�
                        if v.startswith("db") for r in rs}))
 claim(README, "{} seeds per release", "fuzz-summary.json",
       lambda rows: (only(c["seeds"] for c in fuzz_counts(rows, "shipped").values()),))
-claim(README, "bit-identical in {} of {} seeds; as shipped 0.4.0 crashes in {} of {}, the others "
-      "are wrong in {}–{} of {}", "fuzz-summary.json",
-      lambda rows: (sum(c["exact"] for c in fuzz_counts(rows, "hotfix").values()),
-                    sum(c["seeds"] for c in fuzz_counts(rows, "hotfix").values()),
-                    fuzz_counts(rows, "shipped")["fsdp-0.4.0"]["crash"],
-                    fuzz_counts(rows, "shipped")["fsdp-0.4.0"]["seeds"],
-                    *lo_hi([c["wrong"] for rel, c in fuzz_counts(rows, "shipped").items()
-                            if rel != "fsdp-0.4.0"]),
-                    only(c["seeds"] for c in fuzz_counts(rows, "shipped").values())))
-claim(README, "- {} optimizer steps × {} microbatches", "long-summary.json",
+claim(README, "gave wrong gradients ({}) or crashed ({}) was bit-identical", "fuzz-summary.json",
+      lambda rows: fuzz_failed_then_exact(rows))
+claim(README, "Long runs, {} optimizer steps × {} microbatches", "long-summary.json",
       lambda rows: (only(r["steps"] for r in rows), only(r["microbatches"] for r in rows)))
-claim(README, "the hotfix runs bit-identical ({} of {} runs)", "long-summary.json",
-      lambda rows: (sum(r["outcome"] == "exact" and r["losses_exact"] and r["params_exact"]
-                        for r in rows if r["variant"] == "hotfix"),
-                    sum(r["variant"] == "hotfix" for r in rows)))
-claim(README, "relative L2 {:.2f}–{:.2f} as shipped at {} ms", "python validation/core_gpt.py "
-      "--report docs/validation/core-gpt-h200.json",
-      lambda t: (*lo_hi([num(r["rel. L2 vs serialized"]) for r in t[-1]
-                         if r["outcome"] == "wrong"]),
-                 only(r["RS delay ms"] for r in t[-1] if r["outcome"] == "wrong")))
-claim(README, "as shipped wrong at {} ms with {} of {} reuses unordered, with the hotfix "
-      "bit-identical and {} of {}", "maxpool-summary.json",
-      lambda rows: (only(r["delay_ms"] for r in rows if r["outcome"] == "wrong"),
-                    *maxpool_audit(rows, "shipped"), *maxpool_audit(rows, "hotfix")))
-claim(README, "every wrong shipped run of the oracle sample ({} runs)", "oracles-summary.json",
-      lambda rows: (len(rows),) if all(
-          (r["audit_unordered"] or 0) > 0 for r in rows if r["outcome"] == "wrong") else ())
-
 CASES = "report.py cases"
 claim(VAL, "with a reduce-scatter delayed by {:g}–{:g} ms", CASES,
       lambda cases: (matrix_delays(cases)[1], matrix_delays(cases)[-1]))
@@ -729,7 +777,8 @@ claim(VAL, "gave {:.3f} on 0.5.1 with the plain fake group and **{:g}** once", C
       lambda cases: (rel_l2(cases, "fsdp-0.5.1|z3|fused+head|fake|nodb|d0|big"),
                      rel_l2(cases, "fsdp-0.5.1|z3|fused+head|nccl_sem|nodb|d0|big")))
 claim(VAL, "correctness matrix: {} units, h={}, f={}, {} tokens × {} microbatches, fp32, TF32 off, "
-      "{} warm-up + {} steps ({} compared). Issue B: {} units, h={}, f={}, {} or {} tokens × {} "
+      "{} warm-up + {} steps ({} compared). ZeRO-3 second defect: {} units, h={}, f={}, {} or {} "
+      "tokens × {} "
       "microbatches, {}–{} steps. Performance: bf16, {} units, h={}, f={}, {} tokens × {} "
       "microbatches, {} warm-up + {} timed steps", CASES,
       lambda c: (*(only(harness(c, "matrix", k)) for k in (
@@ -766,17 +815,21 @@ claim(AUDIT_DOC, "About {:.0f} observed operations per training step", AUDIT4,
       lambda doc: (audited(doc, "observed_operations") / audited(doc, "finish_grad_sync_calls"),))
 claim(AUDIT_DOC, "step time audit on / off {:.3f} and {:.3f} on one H200", AUDIT3,
       lambda doc: (audit_cost(doc)["fsdp-0.6.1"], audit_cost(doc)["core-0.19.2"]))
-claim(VAL, "step time is {:.3f} (megatron-fsdp 0.6.1) and {:.3f} (megatron-core 0.19.2) in call 4",
+claim(VAL, "step time is {:.3f} (megatron-fsdp 0.6.1) and {:.3f} (megatron-core 0.19.2) in the "
+      "fourth run",
       AUDIT4, lambda doc: (audit_cost(doc)["fsdp-0.6.1"], audit_cost(doc)["core-0.19.2"]))
-claim(VAL, "{:.3f} / {:.3f} in call 3", AUDIT3,
+claim(VAL, "{:.3f} / {:.3f} in the third", AUDIT3,
       lambda doc: (audit_cost(doc)["fsdp-0.6.1"], audit_cost(doc)["core-0.19.2"]))
 claim(VAL, "Each audited process judged {} reuses (all ordered) and observed {:.0f} ordering "
       "operations per step ({} in {} steps)", AUDIT4,
       lambda doc: (audited(doc, "reuses"),
                    audited(doc, "observed_operations") / audited(doc, "finish_grad_sync_calls"),
                    audited(doc, "observed_operations"), audited(doc, "finish_grad_sync_calls")))
-claim(README, "(step time {:.3f}–{:.3f}× audit off)", AUDIT4,
-      lambda doc: lo_hi([*audit_cost(doc).values(), *audit_cost(record(AUDIT3)).values()]))
+claim(PERF, "step time over audit off: {:.3f} (megatron-fsdp 0.6.1) and {:.3f} (megatron-core "
+      "0.19.2), and {:.3f} / {:.3f} in an earlier run", AUDIT4,
+      lambda doc: (audit_cost(doc)["fsdp-0.6.1"], audit_cost(doc)["core-0.19.2"],
+                   audit_cost(record(AUDIT3))["fsdp-0.6.1"],
+                   audit_cost(record(AUDIT3))["core-0.19.2"]))
 claim(AUDIT_DOC, "as shipped, {} of {} reuses unordered at {} ms delay while the gradients were "
       "still right, and wrong at {} ms", "python validation/audit_report.py",
       lambda t: (*only(tuple(re.findall(r"[0-9]+", r["RS delay 0 ms: unordered of reuses"]))
@@ -794,28 +847,30 @@ FUZZ = "fuzz-summary.json"
 claim(VAL, "the TE matrix is {} configurations × shipped/hotfix × {}/{} ms", TE,
       lambda rows: (len({(r["release"], r["layer"], r["fuse"], r["delay_wgrad"], r["zero"],
                           r["dtype"]) for r in rows}), *sorted({r["delay_ms"] for r in rows})))
-claim(VAL, "{:.0f} of {:.0f} fuzzer seeds ({} per release, {:.0f} on real TE), {} of {} long "
-      "runs ({} optimizer steps × {} microbatches", GPU,
-      lambda t: (sum(num(r["exact"]) for r in t[0] if r["variant"] == "hotfix"),
-                 sum(num(r["seeds"]) for r in t[0] if r["variant"] == "hotfix"),
-                 only(c["seeds"] for c in fuzz_counts(record(FUZZ), "hotfix").values()),
+claim(VAL, "every fuzzer seed ({} per release, {:.0f} of the {:.0f} on real TE), including every "
+      "seed where the release as shipped gave wrong gradients ({}) or crashed ({})", GPU,
+      lambda t: (only(c["seeds"] for c in fuzz_counts(record(FUZZ), "hotfix").values()),
                  sum(num(r["seeds"]) for r in t[0] if r["variant"] == "hotfix"
                      and r["layers"] == "TE"),
-                 *(lambda rows: (sum(r["outcome"] == "exact" and r["losses_exact"]
-                                     and r["params_exact"] for r in rows
-                                     if r["variant"] == "hotfix"),
-                                 sum(r["variant"] == "hotfix" for r in rows),
-                                 only(r["steps"] for r in rows),
-                                 only(r["microbatches"] for r in rows)))(
-                     record("long-summary.json"))))
-claim(VAL, "in {} of {} seeds; 0.5.1, 0.6.1, core 0.18.2 and 0.19.2 give wrong gradients in {}–{} "
-      "of {} seeds (largest max abs difference {:.3g})", FUZZ,
-      lambda rows: (fuzz_counts(rows, "shipped")["fsdp-0.4.0"]["crash"],
-                    fuzz_counts(rows, "shipped")["fsdp-0.4.0"]["seeds"],
-                    *lo_hi([c["wrong"] for rel, c in fuzz_counts(rows, "shipped").items()
+                 sum(num(r["seeds"]) for r in t[0] if r["variant"] == "hotfix"),
+                 *fuzz_failed_then_exact(record(FUZZ))))
+claim(VAL, "the {} long runs ({} releases × ZeRO-2/3, {} with the random-delay fault and {} "
+      "no-fault controls; {} optimizer steps × {} microbatches", "long-summary.json",
+      lambda rows: long_runs(rows))
+claim(VAL, "of the {} seeds, delays fired on the reduce-scatter stream in {}, on the all-gather "
+      "stream in {} and on the compute stream in {}, and in {} no delay fired at all",
+      "gpu-call2-fuzz.json.gz", lambda raw: fuzz_fired(raw))
+claim(VAL, "in {} of {} seeds, and its serialized runs crash on the same {}",
+      "gpu-call2-fuzz.json.gz", lambda raw: fuzz_deterministic_crashes(raw))
+claim(VAL, "give wrong gradients in {}–{} of {} seeds (largest max abs difference {:.3g})", FUZZ,
+      lambda rows: (*lo_hi([c["wrong"] for rel, c in fuzz_counts(rows, "shipped").items()
                             if rel != "fsdp-0.4.0"]),
                     only(c["seeds"] for c in fuzz_counts(rows, "shipped").values()),
                     max(r["max_abs_diff"] for r in rows if r["outcome"] == "wrong")))
+claim(VAL, "(all {} wrong seeds had one)", "gpu-call2-fuzz.json.gz",
+      lambda raw: fuzz_wrong_after_rs_delay(raw))
+claim(VAL, "{} seeds declared reduce-scatter delays and {} had one fire", "gpu-call2-fuzz.json.gz",
+      lambda raw: (fuzz_declared(raw)["rs"], fuzz_fired(raw)[1]))
 claim(VAL, "with real TE and a {} ms reduce-scatter delay", TE,
       lambda rows: (te_fusion_off(rows)["delay"],))
 claim(VAL, "is wrong (relative L2 {:.2f}–{:.2f}, the audit finding {}–{} of {}–{} reuses "

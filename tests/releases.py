@@ -63,18 +63,18 @@ def unpacked(dist: str, version: str) -> Path:
 # NVIDIA/Megatron-LM refs not released as wheels: the Megatron-FSDP source of a git ref, taken
 # from a local clone (``MFSDP_TEST_MEGATRON_LM``, a git dir) and laid out as the standalone
 # ``megatron_fsdp`` package (which is how the megatron-fsdp wheel is built from that folder).
-MEGATRON_LM_GIT = Path(os.environ.get("MFSDP_TEST_MEGATRON_LM",
-                                      "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+MEGATRON_LM_GIT = (Path(os.environ["MFSDP_TEST_MEGATRON_LM"])
+                   if os.environ.get("MFSDP_TEST_MEGATRON_LM") else None)
 _FSDP_SRC = "megatron/core/distributed/fsdp/src/megatron_fsdp"
 
 
 def git_tree(ref: str) -> Path | None:
     """Folder holding ``megatron_fsdp`` as of ``ref`` (a branch of the clone, e.g. ``main`` or
-    ``pull-request/6316``); None when there is no clone with that ref."""
+    ``pull-request/6316``); None when it is not cached and there is no clone with that ref."""
     target = CACHE / "git" / ref.replace("/", "-")
     if (target / ".complete").exists():
         return target
-    if not MEGATRON_LM_GIT.exists():
+    if MEGATRON_LM_GIT is None or not MEGATRON_LM_GIT.exists():
         return None
     git = ["git", "--git-dir", str(MEGATRON_LM_GIT)]
     found = subprocess.run(git + ["rev-parse", "--verify", "--quiet", f"refs/heads/{ref}"],

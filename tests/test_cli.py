@@ -143,7 +143,7 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
         # Shape names are explained, not left to read like version numbers.
         assert ("main_grad_getter: as shipped in 0.17 (megatron-core 0.17.0-0.18.2, "
                 "megatron-fsdp 0.4.0-0.5.1; unguarded)") in proc.stdout
-        assert "'as shipped in 0.17' means its text equals release 0.17's" in proc.stdout
+        assert "'as shipped in 0.17' means its text equals megatron-core 0.17.0's" in proc.stdout
     else:
         assert "no Megatron-FSDP copy found" in proc.stdout
 

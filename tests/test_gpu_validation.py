@@ -120,7 +120,7 @@ def test_summary_records_have_exactly_the_required_keys_and_outcome_rules() -> N
         record("fuzz", "fsdp-0.4.0", "hotfix", spec={"seed": 2},  # its serialized run crashed
                comparison={"outcome": "crash", "max_abs_diff": None, "truth_crashed": True}),
         record("fuzz", "fsdp-0.6.1", "shipped", spec={"seed": 3},
-               skipped="not run: the call's time budget ran out"),
+               skipped="not run: --budget-s reached before it started"),
         {"id": "truth", "spec": {"phase": "fuzz", "release": "fsdp-0.6.1", "seed": 3,
                                  "variant": "shipped", "truth": {"mode": "save", "path": "x"}},
          "crashed": False},

@@ -1,9 +1,10 @@
 """The routes users type, as they type them, in an environment installed as users install it
 (``installed.py``: a fresh venv, the release from its index, this package with ``pip install .``).
 
-The commands come from the README: ``README_COMMANDS`` is every command its code blocks and its
-inline code show, and ``ROUTES`` names the test that runs each one; a command added to (or
-dropped from) the README without its route here fails ``test_every_readme_command_has_a_route``.
+The commands come from the README and docs/USAGE.md: ``README_COMMANDS`` is every command their
+code blocks and inline code show, and ``ROUTES`` names the test that runs each one; a command
+added to (or dropped from) them without its route here fails
+``test_every_readme_command_has_a_route``.
 A route test takes its command from the README text (``readme``) and changes only what cannot
 run here, each change spelled out (``--nproc-per-node 8 train.py`` becomes two ranks of a small
 real job, ``/shared/audit/run1`` a scratch folder).
@@ -25,6 +26,7 @@ from installed import Installed  # its session fixture `installed` comes from co
 pytestmark = pytest.mark.slow
 
 README = (REPO / "README.md").read_text()
+USAGE = (REPO / "docs" / "USAGE.md").read_text()
 # Sections whose commands are for people working on this repository, not for its users.
 NOT_USER_ROUTES = ("Tests",)
 
@@ -35,7 +37,7 @@ def _user_text() -> str:
     for title, body in zip(parts[1::2], parts[2::2], strict=True):
         if title[3:].strip() not in NOT_USER_ROUTES:
             keep.append(body)
-    return "\n".join(keep)
+    return "\n".join(keep + [USAGE])
 
 
 def _normalise(command: str) -> str:
@@ -79,6 +81,9 @@ ROUTES = {
     "python3 -m venv /tmp/mfsdp-try && /tmp/mfsdp-try/bin/pip install '.[selftest]' && "
     "/tmp/mfsdp-try/bin/mfsdp-hotfix selftest": "test_readme.py::test_install_lines_leave_a_"
                                                  "training_environment_alone",
+    "python3 -m venv /tmp/mfsdp-try && /tmp/mfsdp-try/bin/pip install torch==2.13.0 --index-url "
+    "https://download.pytorch.org/whl/cpu && /tmp/mfsdp-try/bin/pip install '.[selftest]' && "
+    "/tmp/mfsdp-try/bin/mfsdp-hotfix selftest": "test_the_try_it_route_names_the_torch_it_installs",
     "pip install .": "installed.py (the fixture) and test_the_install_is_a_wheel_not_the_checkout",
     "mfsdp-hotfix status": "test_status",
     "mfsdp-hotfix": "test_no_command_or_an_unknown_one",
@@ -89,8 +94,8 @@ ROUTES = {
     "mfsdp-hotfix audit --out /shared/audit/run1 -- torchrun --nproc-per-node 8 train.py":
         "test_audit",
     "mfsdp-hotfix audit --out PATH -- COMMAND...": "test_audit",
-    "mfsdp-hotfix audit": "test_audit",
     "mfsdp-hotfix run -- torchrun --nproc-per-node 8 train.py": "test_run",
+    "mfsdp-hotfix run -- COMMAND...": "test_run",
     "mfsdp-hotfix run": "test_run",
     "mfsdp-hotfix bootstrap-path": "test_bootstrap_path",
     "PYTHONPATH=$(mfsdp-hotfix bootstrap-path):$PYTHONPATH": "test_bootstrap_path",
@@ -205,7 +210,7 @@ def test_selftest(installed: Installed) -> None:
 
 
 def test_selftest_audit(installed: Installed) -> None:
-    """Issue 21: with no other flag this counted 0 reuses and failed."""
+    """With no other flag (the default ``--flavour auto``) this once counted 0 reuses and failed."""
     proc = installed.sh(readme("mfsdp-hotfix selftest --audit"))
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -336,7 +341,7 @@ def test_interpreter_flags(installed: Installed, command: str, loaded_via: str) 
     proc = installed.sh(command + " -c 'import sys; m = sys.modules.get(\"mfsdp_hotfix\"); "
                         "print(m.trigger.loaded_via if m else \"not loaded\")'")
     assert (proc.returncode, proc.stdout.strip()) == (0, loaded_via), proc.stderr
-    assert "`python -S` disables every automatic route" in README
+    assert "`python -S` disables every automatic route" in USAGE
 
 
 # ---- bad input and odd uses, from the same user's view
@@ -423,12 +428,19 @@ def test_help_is_plain(installed: Installed, command: str) -> None:
 
 
 def test_the_try_it_route_names_the_torch_it_installs() -> None:
-    """The 'Try it' text names the torch pin of the ``selftest`` extra, and its CPU build."""
+    """The 'Try it' text names the torch pin of the ``selftest`` extra, and its CPU line is the
+    tested line (test_readme.py runs it) with one step first: that pin from PyTorch's CPU index.
+    The CPU index itself is not reached here (no network in CI)."""
     import tomllib
 
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]["selftest"]
     (pin,) = [r for r in extra if r.startswith("torch")]
-    text = " ".join(README.split("## Try it", 1)[1].split("\n## ", 1)[0].split())
-    assert f"`{pin}` on Linux is the CUDA build" in text, text
-    assert f"pip install {pin} --index-url https://download.pytorch.org/whl/cpu`" in text, text
+    text = README.split("## Try it", 1)[1].split("\n## ", 1)[0]
+    assert f"`{pin}` on Linux is the CUDA build" in " ".join(text.split()), text
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+    tested, cpu = (block.strip() for block in blocks)
+    venv = "python3 -m venv /tmp/mfsdp-try && "
+    assert cpu == tested.replace(venv, f"{venv}/tmp/mfsdp-try/bin/pip install {pin} --index-url "
+                                       "https://download.pytorch.org/whl/cpu && ")
+    assert readme(cpu) == cpu

@@ -3,9 +3,9 @@
 
     python3 validation/audit_report.py [docs/validation]
 
-Reads the final call's ``audit-call4-matrix.json`` and ``audit-call4-perf.json`` (written on the
-GPU by ``run_matrix.py --phase audit auditperf``; calls 1 and 2 ran earlier commits and are kept
-as they came back). Every audit count comes from the rank file the audit itself wrote when the case's process
+Reads ``audit-call4-matrix.json`` and ``audit-call4-perf.json``, the fourth GPU run of 2026-12-03
+(written by ``run_matrix.py --phase audit auditperf``; the earlier runs' files, of earlier commits,
+are kept as they were written). Every audit count comes from the rank file the audit itself wrote when the case's process
 exited (``audit_file`` in each record); grads are compared with the case's serialized truth.
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """megatron-core's own stack on one GPU: ``GPTModel`` (TE layer spec) through the Megatron-FSDP
-adapter, as Megatron-LM / Megatron-Bridge users run it (issue 19, item 3).
+adapter, as Megatron-LM / Megatron-Bridge users run it.
 
 The configuration is the users' one: ``TransformerConfig(gradient_accumulation_fusion=True)``,
 ``get_gpt_layer_with_transformer_engine_spec``, megatron-core's ``FullyShardedDataParallel``
@@ -15,7 +15,7 @@ are compared bit for bit after every ``finish_grad_sync``.
 
 Each case is its own process and records every stage it reaches (imports, parallel_state,
 model_build, fsdp_wrap, forward, backward, finish_grad_sync, steps) with the exception and
-traceback of the one that failed, so a single device call shows where the stack stops.
+traceback of the one that failed, so a single GPU run shows where the stack stops.
 
     python3 validation/core_gpt.py --out core_gpt.json             # driver (GPU)
     python3 validation/core_gpt.py --device cpu --out cpu.json     # adapter path on CPU

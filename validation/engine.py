@@ -165,7 +165,7 @@ class Engine:
             return recs, []
         if killed:
             for s in rest:
-                recs.append(_record(s, "not run: the call's time budget ran out", j, base))
+                recs.append(_record(s, "not run: --budget-s reached before it started", j, base))
             return recs, []
         # the process died (or exited 3 after a fatal case) before finishing its list
         fatal_prev = recs and recs[-1].get("fatal")
@@ -208,7 +208,7 @@ class Engine:
                 running.append(self._start(j))
             if now >= self.deadline and queue:
                 for j in queue:
-                    out += [_record(s, "not run: the call's time budget ran out", j, "")
+                    out += [_record(s, "not run: --budget-s reached before it started", j, "")
                             for s in j["specs"]]
                 queue.clear()
             # reap

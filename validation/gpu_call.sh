@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# One device call: TE setup (if .te/ was carried) in the background, then the phases.
+# One GPU run: TransformerEngine built in the background (if .te/ holds its build payload and
+# setup.sh), then the phases.
 #   bash validation/gpu_call.sh [gpu_phases.py options] --phases smoke|fuzz|te|long|oracles ...
-# Carry: validation/wheels (the release wheels) and .te (TransformerEngine payload + setup.sh).
+# Needs validation/wheels (the release wheels) and, for real TE, .te (TE payload + setup.sh).
 # Writes under $OUT: <phase>.json.gz per phase and te-setup-tail.txt (at most 6 files).
-# All phases share one queue, in the order given (= priority when the budget runs out); while
-# TE is being built (~190 s, 4 workers) only emulated jobs run. Estimates from call 1's per-case
+# All phases share one queue, in the order given (= priority when --budget-s runs out); while
+# TE is being built (~190 s, 4 workers) only emulated jobs run. Estimates from a first run's per-case
 # times (emulated ~0.5 s, TE ~2 s, ~12 s per worker process), 14 workers; not measurements:
-#   two calls:  A: --phases long fuzz --workers 14 --budget-s 540            (~7-8 min)
+#   two runs:   A: --phases long fuzz --workers 14 --budget-s 540            (~7-8 min)
 #               B: --phases oracles te --workers 14 --budget-s 540           (~7 min, TE warm)
-#   one call:   --phases long fuzz oracles te --te-layers 6 --oracle-seeds 4 --workers 14
+#   one run:    --phases long fuzz oracles te --te-layers 6 --oracle-seeds 4 --workers 14
 #               --budget-s 540  (about 9 min; te is cut first, at whole rows)
 set -u
 OUT=${OUT:-/tmp/mfsdp_out}
@@ -19,7 +20,7 @@ if [ -f .te/setup.sh ] && [ ! -f /tmp/te-setup.rc ] && [ ! -f /tmp/te-setup.star
   # 12 build jobs: 4 of the 16 cores stay with the GPU workers that run meanwhile
   ( MAX_JOBS=12 TE_WAIT_S=500 bash .te/setup.sh > /tmp/te-setup.out 2>&1; echo $? > /tmp/te-setup.rc ) &
 elif [ -f /tmp/te-setup.started ] && [ ! -f /tmp/te-setup.rc ] && [ -f /tmp/te/state/setup.sh ]; then
-  # a build started by an earlier call that was cut: attach to it
+  # a build started by an earlier run that was cut: attach to it
   ( TE_WAIT_S=500 bash /tmp/te/state/setup.sh --wait >> /tmp/te-setup.out 2>&1; echo $? > /tmp/te-setup.rc ) &
 fi
 python3 validation/gpu_phases.py --out "$OUT" "$@"

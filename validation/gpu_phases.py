@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""The GPU validation phases, in one device call (see gpu_call.sh):
+"""The GPU validation phases, in one GPU run (see gpu_call.sh):
 
     python3 validation/gpu_phases.py --phases smoke|fuzz|te|long|oracles ... --out $OUT
         [--budget-s 530] [--workers 12] [--seeds 0:100]
 
-Unpacks the carried release wheels, calibrates ``torch.cuda._sleep`` (cycles per ms), plans the
+Unpacks the release wheels of ``validation/wheels/``, calibrates ``torch.cuda._sleep`` (cycles per ms), plans the
 phases' jobs and runs them with :class:`engine.Engine` (at most ``--workers`` processes on the
 GPU; fewer while TransformerEngine is being built; TE jobs wait until it is ready). Writes one
 ``<phase>.json.gz`` per phase under ``--out`` (every record, the environment, the calibration;
-rewritten as records come in, so a call cut short leaves what it had) and prints a summary.
+rewritten as records come in, so a run cut short leaves what it had) and prints a summary.
 """
 
 from __future__ import annotations

@@ -228,9 +228,9 @@ def fuzz_factor_table(rows: list[dict[str, Any]], recs: list[dict[str, Any]]) ->
         "ZeRO": lambda s: s["zero"], "dtype": lambda s: s["dtype"],
         "microbatches": lambda s: s["microbatches"],
         "unit with a non-fused layer": lambda s: any(u["norm"] for u in s["units"]),
-        "RS delays": lambda s: (s["faults"].get("rs") or {}).get("p", 0) > 0,
-        "AG delays": lambda s: (s["faults"].get("ag") or {}).get("p", 0) > 0,
-        "compute delays": lambda s: (s["faults"].get("compute") or {}).get("p", 0) > 0,
+        "RS delays declared (p > 0)": lambda s: (s["faults"].get("rs") or {}).get("p", 0) > 0,
+        "AG delays declared (p > 0)": lambda s: (s["faults"].get("ag") or {}).get("p", 0) > 0,
+        "compute delays declared (p > 0)": lambda s: (s["faults"].get("compute") or {}).get("p", 0) > 0,
     }
     out = ["| factor | value | variant | runs | wrong | crash |", "|---|---|---|---|---|---|"]
     for name, f in factors.items():

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Driver for the GPU validation matrix: one device call, many cases, each case its own process.
+"""Driver for the GPU validation matrix: one GPU run, many cases, each case its own process.
 
     python3 validation/run_matrix.py --phase smoke|matrix|perf --out "$OUT"
 
-On the device machine it unpacks the carried wheels (``validation/wheels/*.whl``) into one folder
-per release under /tmp (never two Megatron-FSDP copies on one path), calibrates
+Phases ``issueb``, ``issueb2`` and ``issueb3`` examine the second defect reported for ZeRO-3 on
+megatron-fsdp <= 0.5.x (docs/VALIDATION.md, "ZeRO-3: the second reported defect"); the names stay
+as the committed records carry them. On the GPU machine it unpacks the wheels of
+``validation/wheels/*.whl`` into one folder per release under /tmp (never two Megatron-FSDP copies on one path), calibrates
 ``torch.cuda._sleep`` cycles per millisecond with CUDA events, then runs ``harness.py`` once per
 case: first the ground-truth runs (the same configuration under ``CUDA_LAUNCH_BLOCKING=1``), then
 the asynchronous runs, which compare their gradients against the truth of the same configuration.
@@ -45,7 +47,7 @@ REL = {r[0]: r for r in RELEASES}
 # correctness model: small enough that 20+ steps of every case fit, big enough to have work
 SMALL = dict(units=4, hidden=512, ffn=1024, tokens=4096, dtype="fp32", steps=20, warmup=2,
              microbatches=2)
-# Issue B size: the configuration at which the ZeRO-3 defect was first reported
+# The ZeRO-3 second-defect size: the configuration at which that defect was first reported
 BIG_B = dict(units=8, hidden=2048, ffn=4096, tokens=4096, dtype="fp32", steps=4, warmup=0,
              microbatches=2)
 # performance model: bf16, hidden 4096, 8 units
@@ -123,7 +125,7 @@ class Runner:
 
     def run_case(self, c):
         if time.time() > self.deadline:
-            return dict(c, skipped="time budget of the call exhausted")
+            return dict(c, skipped="not run: --budget-s reached before it started")
         if c["release"] not in self.rel_paths:
             return dict(c, skipped="release wheel not carried")
         if c.get("is_truth") and os.path.exists(c["harness"]["save_grads"]):
@@ -387,7 +389,7 @@ def _phase_cases(phase, hotfix_ok, args):
                                                                 [20], SMALL)[1]))
         return cases
     if phase == "matrix2":
-        # what the first matrix call's budget cut, minus the small ZeRO-3 rows (issueb covers
+        # what the first matrix run's --budget-s cut, minus the small ZeRO-3 rows (issueb covers
         # ZeRO-3 at the size where its second defect shows) and the refpatch controls
         cases = correctness_cases(["core-0.19.2"], 2, 1, 0, "fake", ["nodb", "db", fixv],
                                   [0, 5, 20, 50], SMALL)

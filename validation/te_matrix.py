@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Real-TransformerEngine matrix (issue 19, item 1): TE layers inside Megatron-FSDP with the
+"""Real-TransformerEngine matrix : TE layers inside Megatron-FSDP with the
 double buffer, every era, fusion on and off, delayed wgrad, ZeRO-2/3, reduce-scatter delay 0 and
 20 ms, fp32 and bf16, as shipped and with the hotfix, each compared bit for bit with its own
 serialized run, with the audit's counts beside each row.
@@ -31,7 +31,7 @@ LAYERS = [("te-linear", True, False), ("te-linear", False, False),
           ("te-grouped-linear", True, False), ("te-grouped-linear", False, False)]
 SIZE = dict(hidden=1024, units=4, ffn=2048, tokens=2048, microbatches=2, steps=2)
 DELAYS = (0, 20)
-# MaxPoolAllocator (issue 21): the releases that have it, the layers that matter most
+# MaxPoolAllocator: the releases that have it, the layers that matter most
 MAXPOOL_RELEASES = ("fsdp-0.6.1", "core-0.19.2")
 MAXPOOL_LAYERS = LAYERS[:4]
 # N-slot pools (NVIDIA PR #6316, fsdp_buffer_count): the emulated contract and the TE layers

@@ -111,8 +111,9 @@ def _audit_job(tmp_path: Path, release: Path, spec: CaseSpec, hotfix: str = "0")
 
 
 def test_audit_command_sees_the_maxpool_race_as_shipped(tmp_path: Path) -> None:
-    """Issue 21: this job used to end 'audit: ordered' with 0 of 0 reuses. Its counts are the
-    configuration matrix's (the same case there, recorded in docs/configurations.json)."""
+    """Before the audit watched every pool allocator, this job ended 'audit: ordered' with 0 of 0
+    reuses. Its counts are the configuration matrix's (the same case there, recorded in
+    docs/configurations.json)."""
     row = next(r for r in configurations.CONFIGURATIONS if r.id == "maxpool-zero3")
     want = configurations.load_record()[row.id]["runs"]["off"]
     spec = row.spec("off")

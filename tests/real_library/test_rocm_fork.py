@@ -6,7 +6,7 @@ have exactly the fingerprints of ROCm's (``test_snapshots.py`` checks it), with 
 ``megatron_fsdp.py`` link to the pipeline and, for #146, the PR's two edits. No ROCm-only module
 is involved: the rebuilt copy has no mori SDMA all-gather (the real fork imports it only for type
 checking in ``param_and_grad_buffer.py``), so nothing is stubbed; what the run cannot show is
-anything that code changes. Six units: the configuration the issue measured (32 of 44 reuses
+anything that code changes. Six units: the configuration measured first (32 of 44 reuses
 unordered with #146 alone).
 """
 
@@ -49,7 +49,7 @@ def fix_states(result: CaseResult) -> dict[str, str]:
 def test_pr146_alone_leaves_slot_reuse_unordered(rebuilt: dict[str, str]) -> None:
     shipped = rocm(rebuilt["rocm-146"], "off")
     assert_matches_reference(shipped)  # the guard removed the crash ...
-    # ... but the drain on rs_stream orders only rs_stream: the issue's measurement.
+    # ... but the drain on rs_stream orders only rs_stream: 32 of 44 reuses unordered.
     assert (shipped.ordering_violations, shipped.ordering_checks) == (32, 44), describe(shipped)
 
 

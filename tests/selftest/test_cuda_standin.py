@@ -116,7 +116,7 @@ def test_install_and_undo_in_a_subprocess() -> None:
 
 def test_install_refuses_once_the_audit_watches_the_real_torch_cuda(tmp_path: Path) -> None:
     """Looking ``megatron`` up fires the import trigger, which arms the audit on whatever
-    torch.cuda is then: the stand-in must come first (issue 21: ``selftest --audit`` counted 0
+    torch.cuda is then: the stand-in must come first (``selftest --audit`` once counted 0
     reuses when ``--flavour auto`` looked the copy up before installing it)."""
     code = (
         "import importlib.util, sys, torch\n"

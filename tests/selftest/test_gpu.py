@@ -378,8 +378,8 @@ def test_verdict_names_the_layer() -> None:
     assert "with te.Linear (TE 2.20.2), 48" in gpu.conclusion(linear, _results(linear))[1]
 
 
-def test_readme_timing_is_the_recorded_run() -> None:
-    """The README's durations are the wall times of the recorded GPU runs (the serialized pair
+def test_documented_timing_is_the_recorded_run() -> None:
+    """docs/USAGE.md's durations are the wall times of the recorded GPU runs (the serialized pair
     runs together, then shipped, then hotfix): the default route with TE, and the emulated layer
     on 0.4.0 from the earlier recording."""
     def totals(name: str) -> list[int]:
@@ -401,7 +401,7 @@ def test_readme_timing_is_the_recorded_run() -> None:
         assert f"selftest: PASS: on 1 GPU, {copy} with te.LayerNormMLP" in recorded
     (te_run,) = totals("selftest-gpu-h200-default-route.txt")
     emulated = totals("selftest-gpu-h200.txt")[1]
-    readme = " ".join((REPO / "README.md").read_text().split())
+    readme = " ".join((REPO / "docs" / "USAGE.md").read_text().split())
     assert f"about {te_run} s of runs plus the start of the command: PASS" in readme
     assert f"with the emulated layer on 0.4.0, {emulated} s, PASS" in readme
     assert "relative L2 1.36, the audit found 32 of 46 slot reuses unordered" in readme
