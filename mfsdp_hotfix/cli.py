@@ -218,6 +218,8 @@ def _format(data: dict[str, Any]) -> str:
             lines.append(f"    without the hotfix: {copy['without_hotfix']}")
         for name, found in copy["functions"].items():
             lines.append(f"    {_shape_line(name, found, copy['fingerprints'].get(name))}")
+        if copy.get("pool_size_text"):
+            lines.append(f"    gradient pool slots (N): {copy['pool_size_text']}")
         for note in copy["notes"]:
             lines.append(f"    note: {note}")
         for fix, state in copy["fixes"].items():

@@ -89,7 +89,7 @@ CONFIGURATIONS = (
     Configuration("main-zero1", "git:main", "NVIDIA main (PR #6357: ZeRO-1 fused wgrad), "
                   "ZeRO-1, 1 microbatch", NOT_CHECKED, {"strategy": "optim", "microbatches": 1}),
     Configuration("pr6316-count3", "git:pull-request/6316",
-                  "PR #6316 (fsdp_buffer_count, on NVIDIA dev), fsdp_buffer_count=3", REFUSED,
+                  "PR #6316 (fsdp_buffer_count, on NVIDIA dev), fsdp_buffer_count=3", FIXED,
                   {"options": {"fsdp_buffer_count": 3}}),
     Configuration("control-zero1-2mb", "0.6.1", "control: ZeRO-1, 2 microbatches, "
                   "fsdp_double_buffer=False", CONTROL,
