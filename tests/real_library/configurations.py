@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import releases
+import snapshots
 
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
@@ -35,7 +36,8 @@ CONTROL = "control"  # fsdp_double_buffer=False: wrong gradients that are not th
 @dataclass(frozen=True)
 class Configuration:
     id: str
-    source: str  # "0.6.1" (a megatron-fsdp wheel) or "git:<ref>" (a Megatron-LM branch)
+    source: str  # "0.6.1" (a megatron-fsdp wheel), "git:<ref>" (a Megatron-LM branch) or
+    #              "snapshot:<name>" (a copy rebuilt by tests/snapshots.py, no clone needed)
     what: str
     expect: str
     fields: dict[str, Any] = field(default_factory=dict)
@@ -91,6 +93,15 @@ CONFIGURATIONS = (
     Configuration("pr6316-count3", "git:pull-request/6316",
                   "PR #6316 (fsdp_buffer_count, on NVIDIA dev), fsdp_buffer_count=3", FIXED,
                   {"options": {"fsdp_buffer_count": 3}}),
+    # PR #6316 rebuilt from the 0.6.1 wheel (tests/snapshots.py), so that CI runs N-slot pools.
+    *(Configuration(f"pr6316-rebuilt-{pool}-count{n}", "snapshot:pr6316",
+                    f"PR #6316 rebuilt, {what}, ZeRO-3, fsdp_buffer_count={n}", FIXED,
+                    {"options": {**options, "fsdp_buffer_count": n}})
+      for pool, what, options in (("fixedpool", "FixedPool", {}), ("maxpool", "MaxPool", MAXPOOL))
+      for n in (3, 4)),
+    Configuration("pr6316-rebuilt-zero2-count3", "snapshot:pr6316",
+                  "PR #6316 rebuilt, FixedPool, ZeRO-2, fsdp_buffer_count=3", FIXED,
+                  {"strategy": "optim_grads", "options": {"fsdp_buffer_count": 3}}),
     Configuration("control-zero1-2mb", "0.6.1", "control: ZeRO-1, 2 microbatches, "
                   "fsdp_double_buffer=False", CONTROL,
                   {"strategy": "optim", "double_buffer": False}),
@@ -103,6 +114,8 @@ CONFIGURATIONS = (
 def path_of(source: str) -> Path | None:
     if source.startswith("git:"):
         return releases.git_tree(source[4:])
+    if source.startswith("snapshot:"):
+        return snapshots.cached(source[9:])
     return releases.unpacked("megatron-fsdp", source)
 
 
@@ -111,6 +124,10 @@ def release_label(source: str) -> str:
         ref = source[4:]
         name = "NVIDIA main" if ref == "main" else f"PR #{ref.rsplit('/', 1)[-1]}"
         return f"{name} @{releases.git_commit(ref)}"
+    if source.startswith("snapshot:"):
+        snapshot = snapshots.SNAPSHOTS[source[9:]]
+        return (f"{snapshot.distribution} {snapshot.base} + PR #6316's change "
+                f"(@{snapshot.commit[:10]}), rebuilt")
     return f"megatron-fsdp {source}"
 
 
