@@ -113,6 +113,21 @@ SNAPSHOTS = {s.name: s for s in (
 )}
 
 
+# NVIDIA pull requests with N-slot pools, read from a local clone (``releases.git_tree``): the
+# fingerprints of their three functions (``PR_6316``'s for #6316 and the three built on it; #5657
+# kept 0.19's drain) and the expression their gradient pool's size is read from.
+_CONFIGURED = "self.ddp_config.fsdp_buffer_count"
+PULL_REQUESTS = {
+    "refs/pull/6316/head": (PR_6316, _CONFIGURED),
+    "refs/pull/6317/head": (PR_6316, _CONFIGURED),
+    "refs/pull/6318/head": (PR_6316, _CONFIGURED),
+    "refs/pull/6665/head": (PR_6316, _CONFIGURED),
+    "refs/pull/5657/head": (MAIN_ERA_C, "self.ddp_config.megatron_fsdp_max_pool_buffer_count if "
+                                        "self.ddp_config.megatron_fsdp_max_pool_double_buffer "
+                                        "else 2"),
+}
+
+
 def build(snapshot: Snapshot, target: Path, *, whole: bool = False) -> Path:
     """Rebuild ``snapshot`` under ``target`` (a ``sys.path`` folder) and return ``target``.
 

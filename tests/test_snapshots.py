@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import releases
 import snapshots
 from conftest import run_python
 
@@ -227,3 +228,18 @@ def test_another_drain_with_a_configured_pool_size_is_still_refused(
     found = _detect(root, snapshot.copy)
     assert found.refused and found.shapes[registry.DRAIN] is None
     assert found.reason.startswith("unrecognised code shape in _enforce_double_buffer_limit")
+
+
+@pytest.mark.parametrize("ref", sorted(snapshots.PULL_REQUESTS))
+def test_n_slot_pull_requests_get_ordered_drain_with_their_pool_size(ref: str) -> None:
+    """The real files of NVIDIA's N-slot pull requests (a local clone only; CI runs the rebuilt
+    #6316, whose three functions have the same fingerprints as #6316, #6317, #6318, #6665)."""
+    root = releases.git_tree(ref)
+    if root is None:
+        pytest.skip(f"no Megatron-LM clone with {ref} (set MFSDP_TEST_MEGATRON_LM)")
+    fingerprints_, pool_size = snapshots.PULL_REQUESTS[ref]
+    found = _detect(root, registry.COPIES[0])
+    assert tuple(found.fingerprints[f] for f in registry.FUNCTIONS) == fingerprints_
+    assert not found.refused and found.era is not None and found.era.name == "C"
+    assert [fix.id for fix in registry.FIXES if found.needs(fix)] == ["ordered-drain"]
+    assert found.pool_size == pool_size

@@ -93,6 +93,18 @@ CONFIGURATIONS = (
     Configuration("pr6316-count3", "git:pull-request/6316",
                   "PR #6316 (fsdp_buffer_count, on NVIDIA dev), fsdp_buffer_count=3", FIXED,
                   {"options": {"fsdp_buffer_count": 3}}),
+    # PR #6316's siblings (open #6317, #6318, #6665 build on its change; closed #5657 sized only
+    # the MaxPool, with megatron_fsdp_max_pool_buffer_count, and kept 0.19's drain).
+    *(Configuration(f"pr{pull}-count3", f"git:refs/pull/{pull}/head",
+                    f"PR #{pull} ({what}), FixedPool, ZeRO-3, fsdp_buffer_count=3", FIXED,
+                    {"options": {"fsdp_buffer_count": 3}})
+      for pull, what in (("6317", "PR #6316 + deterministic manual UBR registration"),
+                         ("6318", "PR #6316 + symmetric UBR scoped to dense inner gathers"),
+                         ("6665", "as #6318, expert allocator units in double_buf_units"))),
+    Configuration("pr5657-maxpool-count3", "git:refs/pull/5657/head",
+                  "PR #5657 (closed: megatron_fsdp_max_pool_buffer_count, 0.19's drain), "
+                  "MaxPool, ZeRO-3, 3 slots", FIXED,
+                  {"options": {**MAXPOOL, "maxpool_buffer_count": 3}}),
     # PR #6316 rebuilt from the 0.6.1 wheel (tests/snapshots.py), so that CI runs N-slot pools.
     *(Configuration(f"pr6316-rebuilt-{pool}-count{n}", "snapshot:pr6316",
                     f"PR #6316 rebuilt, {what}, ZeRO-3, fsdp_buffer_count={n}", FIXED,
@@ -122,7 +134,8 @@ def path_of(source: str) -> Path | None:
 def release_label(source: str) -> str:
     if source.startswith("git:"):
         ref = source[4:]
-        name = "NVIDIA main" if ref == "main" else f"PR #{ref.rsplit('/', 1)[-1]}"
+        pull = re.search(r"\d+", ref)
+        name = "NVIDIA main" if pull is None else f"PR #{pull.group()}"
         return f"{name} @{releases.git_commit(ref)}"
     if source.startswith("snapshot:"):
         snapshot = snapshots.SNAPSHOTS[source[9:]]
