@@ -14,8 +14,10 @@ What a rebuilt copy is not: the rest of the real files (ROCm's mori SDMA all-gat
 changes on main between releases, PR #6316's all-gather capacity check). Detection reads only the
 three functions; a run on a rebuilt copy runs the release's code around them.
 
-``python tests/snapshots.py build NAME DEST`` writes one rebuilt copy into the folder DEST, ready
-for ``PYTHONPATH`` (with its dist-info label), e.g. to run it where there is a GPU.
+``python tests/snapshots.py build NAME DEST [--buffer-count N]`` writes one rebuilt copy into the
+folder DEST, ready for ``PYTHONPATH`` (with its dist-info label), e.g. to run it where there is a
+GPU; ``--buffer-count`` (PR #6316 only) makes N the default ``fsdp_buffer_count``, for harnesses
+that cannot pass the option.
 """
 
 from __future__ import annotations
@@ -235,6 +237,15 @@ def apply_pr6316(package: Path) -> None:
     buffer_file.write_text("".join(lines))
 
 
+def set_default_buffer_count(package: Path, count: int) -> None:
+    """Make ``count`` the default ``fsdp_buffer_count`` of a copy rebuilt with PR #6316's change
+    (config and ``fully_shard_model``); the three functions the hotfix judges are untouched."""
+    _replace_once(package / "distributed_data_parallel_config.py",
+                  "fsdp_buffer_count: int = 2\n", f"fsdp_buffer_count: int = {count}\n")
+    _replace_once(package / "fully_shard.py",
+                  "fsdp_buffer_count: int = 2,\n", f"fsdp_buffer_count: int = {count},\n")
+
+
 def _replace_once(path: Path, old: str, new: str) -> None:
     text = path.read_text()
     assert text.count(old) == 1, f"expected one {old!r} in {path.name}, found {text.count(old)}"
@@ -297,17 +308,27 @@ def _indent(line: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """``build NAME DEST``: write the rebuilt copy NAME into the folder DEST (created)."""
-    if len(argv) != 3 or argv[0] != "build" or argv[1] not in SNAPSHOTS:
-        print(f"usage: python tests/snapshots.py build NAME DEST (NAME: {', '.join(SNAPSHOTS)})",
-              file=sys.stderr)
-        return 2
-    target = Path(argv[2])
-    if target.exists():
-        print(f"{target} exists; give a new folder", file=sys.stderr)
-        return 2
-    build(SNAPSHOTS[argv[1]], target, whole=True)
-    print(f"{argv[1]} rebuilt in {target}: PYTHONPATH={target}")
+    """``build NAME DEST [--buffer-count N]``: write the rebuilt copy NAME into the folder DEST
+    (created)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python tests/snapshots.py",
+                                     description="Write a rebuilt copy into a new folder.")
+    parser.add_argument("command", choices=["build"])
+    parser.add_argument("name", choices=sorted(SNAPSHOTS))
+    parser.add_argument("dest", type=Path, help="a folder that does not exist yet")
+    parser.add_argument("--buffer-count", type=int, metavar="N",
+                        help="PR #6316 only: the default fsdp_buffer_count (at least 2)")
+    args = parser.parse_args(argv)
+    snapshot = SNAPSHOTS[args.name]
+    if args.dest.exists():
+        parser.error(f"{args.dest} exists; give a new folder")
+    if args.buffer_count is not None and (not snapshot.pr6316 or args.buffer_count < 2):
+        parser.error("--buffer-count needs a PR #6316 copy and N >= 2")
+    build(snapshot, args.dest, whole=True)
+    if args.buffer_count is not None:
+        set_default_buffer_count(args.dest / snapshot.package, args.buffer_count)
+    print(f"{args.name} rebuilt in {args.dest}: PYTHONPATH={args.dest}")
     return 0
 
 

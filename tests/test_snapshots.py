@@ -243,3 +243,17 @@ def test_n_slot_pull_requests_get_ordered_drain_with_their_pool_size(ref: str) -
     assert not found.refused and found.era is not None and found.era.name == "C"
     assert [fix.id for fix in registry.FIXES if found.needs(fix)] == ["ordered-drain"]
     assert found.pool_size == pool_size
+
+
+def test_build_command_writes_an_importable_copy_with_its_label(tmp_path: Path) -> None:
+    dest = tmp_path / "pr6316"
+    script = str(Path(snapshots.__file__))
+    proc = run_python("", args=(script, "build", "pr6316", str(dest), "--buffer-count", "3"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (dest / "megatron_fsdp-0.6.0rc0.dist-info" / "METADATA").is_file()
+    config = (dest / "megatron_fsdp" / "distributed_data_parallel_config.py").read_text()
+    assert "fsdp_buffer_count: int = 3\n" in config
+    found = _detect(dest, registry.COPIES[0])
+    assert found.era is not None and found.era.name == "C" and found.version == "0.6.0rc0"
+    again = run_python("", args=(script, "build", "pr6316", str(dest)))
+    assert again.returncode == 2 and "exists" in again.stderr
