@@ -276,6 +276,8 @@ def _copy_lines(copy: dict[str, Any]) -> list[str]:
         lines.append(f"    without the hotfix: {copy['without_hotfix']}")
     for name, found in copy["functions"].items():
         lines.append(f"    {_shape_line(name, found, copy['fingerprints'].get(name))}")
+    if copy.get("pool_size_text"):
+        lines.append(f"    gradient pool slots (N): {copy['pool_size_text']}")
     for note in copy["notes"]:
         lines.append(f"    note: {note}")
     for fix, state in copy["fixes"].items():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -38,6 +38,7 @@ class Detection:
     reason: str
     notes: tuple[str, ...] = field(default=())
     verified_release: bool = False
+    pool_size: int | str | None = None  # the gradient pool's slots, N (see pool_size_text)
 
     @property
     def refused(self) -> bool:
@@ -51,6 +52,14 @@ class Detection:
         """Whether this (not refused) copy's shapes need ``fix``."""
         known = {name: shape for name, shape in self.shapes.items() if shape is not None}
         return registry.needed(fix, known)
+
+    @property
+    def pool_size_text(self) -> str | None:
+        """N in words: ``2``, or the config expression the pool is sized from when the model is
+        built (NVIDIA PR #6316); None where the code was not read or builds no gradient pool."""
+        if self.pool_size is None or isinstance(self.pool_size, int):
+            return None if self.pool_size is None else str(self.pool_size)
+        return f"from the config ({self.pool_size}), read when the model is built"
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -72,6 +81,8 @@ class Detection:
             "functions": {name: _describe(name, shape, self.matched_by.get(name))
                           for name, shape in self.shapes.items()},
             "fingerprints": dict(self.fingerprints),
+            "pool_size": self.pool_size,
+            "pool_size_text": self.pool_size_text,
         }
 
 
@@ -81,7 +92,9 @@ def detect_module(copy: Copy, buffer_module: ModuleType) -> Detection:
     sources, problems = _sources(lambda qualname: fingerprints.source_of(
         _resolve(buffer_module, qualname)))
     sources.update(_gate_sources(buffer_file))
-    return _classify(copy, str(buffer_file.parent), sources, problems)
+    found = _classify(copy, str(buffer_file.parent), sources, problems)
+    return _with_pool_size(found, lambda: fingerprints.source_of(
+        _resolve(buffer_module, registry.POOL_BUILDER)))
 
 
 def detect_file(copy: Copy, buffer_file: Path, installed: bool = True) -> Detection:
@@ -93,7 +106,17 @@ def detect_file(copy: Copy, buffer_file: Path, installed: bool = True) -> Detect
         return _classify(copy, str(buffer_file.parent), {}, [str(exc)], installed)
     sources, problems = _sources(tree.source)
     sources.update(_gate_sources(buffer_file))
-    return _classify(copy, str(buffer_file.parent), sources, problems, installed)
+    found = _classify(copy, str(buffer_file.parent), sources, problems, installed)
+    return _with_pool_size(found, lambda: tree.source(registry.POOL_BUILDER))
+
+
+def _with_pool_size(found: Detection, source: Callable[[], str]) -> Detection:
+    """``found`` with the gradient pool's slot count read from the code that builds the pools."""
+    try:
+        size = structure.gradient_pool_size(source())
+    except (AttributeError, KeyError, fingerprints.SourceUnavailable):
+        return found
+    return replace(found, pool_size=size)
 
 
 def find_installed(copy: Copy, search_path: list[str] | None = None) -> Path | None:

@@ -57,6 +57,12 @@ FUNCTIONS = (GETTER, DRAIN, WAIT)
 # an unknown shape here does not refuse the copy, it leaves the fixes it gates unverified.
 HOOKS = "MegatronFSDP._register_fsdp_hooks"
 GATES = (HOOKS,)
+# Builds the pools; read only to say how many slots the gradient pool has (status).
+POOL_BUILDER = "ParamAndGradBuffer._init_each_parameter_group_buffers"
+# Every release's pools have 2 slots (``UB_BUFFER_NUM = 2``); NVIDIA PR #6316 makes it the
+# configured ``fsdp_buffer_count``. A drain shape's ``live_units`` POOL_SIZE: that pool size, N.
+RELEASE_POOL_SIZE = 2
+POOL_SIZE = "N"
 
 
 def short_name(qualname: str) -> str:
@@ -78,7 +84,8 @@ class Shape:
     guarded: bool | None = None  # getter: drains the reduce-scatter queue before it allocates
     drain_stream: str | None = None  # drain: where retired reduce-scatters are waited on,
     #                                  "caller" (the writer's stream) or "rs_stream"
-    live_units: int | None = None  # drain: units left live, counting the incoming one
+    live_units: int | str | None = None  # drain: units left live, counting the incoming one
+    #                                        (POOL_SIZE: the pool size N, from the config)
     needs: frozenset[str] = frozenset()  # gate: ids of the fixes this shape needs
     note: str = "ordered-drain reuses it"  # what any other shape implies
 
@@ -88,6 +95,8 @@ class Shape:
             return "guarded" if self.guarded else "unguarded"
         if self.drain_stream is not None:
             where = "the caller's stream" if self.drain_stream == "caller" else self.drain_stream
+            if self.live_units == POOL_SIZE:
+                return f"waits on {where}, keeps N units live, N the configured pool size"
             units = "unit" if self.live_units == 1 else "units"
             return f"waits on {where}, keeps {self.live_units} {units} live"
         if self.needs:
@@ -114,6 +123,10 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
               drain_stream="rs_stream", live_units=1),
         Shape("0.19", "9b70f49286019d5cb6b84bb6e52df6025f9d3c118579eabc67a4aa062ffcb2bd",
               drain_stream="rs_stream", live_units=2),
+        # NVIDIA PR #6316 (and #6317, #6318, #6665 on top of it): 0.19's drain with its pool
+        # size N read from the config (fsdp_buffer_count) instead of the constant 2.
+        Shape("pool size from the config", structure="drains_to_configured_pool_size",
+              drain_stream="rs_stream", live_units=POOL_SIZE),
     ),
     WAIT: (
         Shape("0.14", "18a7000ad753206566df235d409814de9319429954a1f2761717b20d53920b2e"),
@@ -176,7 +189,8 @@ class Era:
     the shapes themselves). ``None`` in a field matches any value. ``without_hotfix`` says what
     protects a job that does not load the hotfix, as measured with real TransformerEngine
     (docs/VALIDATION.md): the widespread workaround, fused wgrad accumulation off, protects
-    only against era A's crash."""
+    only against era A's crash. ``live_units`` is counted in a 2-slot pool: a drain that keeps
+    its pool's N of N slots live (:data:`POOL_SIZE`) matches 2."""
 
     name: str
     defect: str
@@ -209,7 +223,8 @@ def era_of(getter: Shape, drain: Shape) -> Era:
     return next(era for era in ERAS
                 if era.guarded in (None, getter.guarded)
                 and era.drain_stream in (None, drain.drain_stream)
-                and era.live_units == drain.live_units)
+                and era.live_units == (RELEASE_POOL_SIZE if drain.live_units == POOL_SIZE
+                                       else drain.live_units))
 
 
 @dataclass(frozen=True)

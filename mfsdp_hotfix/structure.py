@@ -49,6 +49,141 @@ def releases_stale_units_lazily(source: str) -> bool:
                for node in ast.walk(tree))
 
 
+def configured_pool_size(source: str) -> str | None:
+    """The config attribute a drain shaped like NVIDIA PR #6316's takes its pool size N from
+    (``self.buffer.ddp_config.fsdp_buffer_count``), else None.
+
+    The shape: ``keep_n = len(<...>.grad_reduce_queue)``; ``assert len(UNITS) <= N`` on the
+    incoming units; a loop over ``reversed(<...>.grad_reduce_queue)`` that adds each entry's unit
+    and does ``keep_n -= 1`` while ``len(UNITS) > N``; and, as its last statement, one
+    ``<...>.wait_for_previous_grad_reduce(keep_n)`` under ``torch.cuda.stream(<...>.rs_stream)``.
+    N is an attribute path through a ``*config`` object, directly or through one local name
+    assigned from it: the release drains' constant 2 made the configured pool size, whatever the
+    config option is called.
+    """
+    function = _only_function(source)
+    if function is None or not function.body:
+        return None
+    aliases = {target.id: statement.value for statement in function.body
+               if isinstance(statement, ast.Assign) and len(statement.targets) == 1
+               and isinstance(target := statement.targets[0], ast.Name)}
+    limit = _config_path(next((bound for node in ast.walk(function) if isinstance(node, ast.Assert)
+                               if (bound := _len_bound(node.test, ast.LtE)) is not None), None),
+                         aliases)
+    if limit is None or not _waits_last_under_rs_stream(function.body[-1], "keep_n"):
+        return None
+    counted = any(isinstance(node, ast.For) and _is_reversed_queue(node.iter)
+                  and any(isinstance(inner, ast.If)
+                          and _config_path(_len_bound(inner.test, ast.Gt), aliases) == limit
+                          and _decrements(inner.body, "keep_n") for inner in node.body)
+                  for node in ast.walk(function))
+    starts_full = any(isinstance(node, ast.Assign) and _names(node.targets) == ["keep_n"]
+                      and isinstance(node.value, ast.Call) and _name(node.value.func) == "len"
+                      and len(node.value.args) == 1
+                      and _attribute(node.value.args[0]) == "grad_reduce_queue"
+                      for node in function.body)
+    return limit if counted and starts_full else None
+
+
+def drains_to_configured_pool_size(source: str) -> bool:
+    """Whether the drain keeps its configured pool size N live (:func:`configured_pool_size`)."""
+    return configured_pool_size(source) is not None
+
+
+def gradient_pool_size(source: str) -> int | str | None:
+    """The slot count ``ParamAndGradBuffer._init_each_parameter_group_buffers`` gives the
+    gradient pool (the allocator built with ``name="fsdp_grads"``): an int where the code fixes
+    it (every release: ``UB_BUFFER_NUM = 2``), else the expression it is read from (NVIDIA PR
+    #6316: ``self.ddp_config.fsdp_buffer_count``); None where no such allocator is built."""
+    function = _only_function(source)
+    if function is None:
+        return None
+    assigned = {target.id: node.value for node in ast.walk(function)
+                if isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(target := node.targets[0], ast.Name)}
+    for call in ast.walk(function):
+        if not isinstance(call, ast.Call):
+            continue
+        keywords = {k.arg: k.value for k in call.keywords if k.arg is not None}
+        name = keywords.get("name")
+        if (isinstance(name, ast.Constant) and name.value == "fsdp_grads"
+                and "size" in keywords):
+            size = keywords["size"]
+            if isinstance(size, ast.Name) and size.id in assigned:
+                size = assigned[size.id]
+            if isinstance(size, ast.Constant) and isinstance(size.value, int):
+                return size.value
+            return ast.unparse(size)
+    return None
+
+
+def _only_function(source: str) -> ast.FunctionDef | None:
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return None
+    function = tree.body[0] if len(tree.body) == 1 else None
+    return function if isinstance(function, ast.FunctionDef) else None
+
+
+def _config_path(node: ast.expr | None, aliases: dict[str, ast.expr]) -> str | None:
+    """``self.buffer.ddp_config.fsdp_buffer_count`` for an attribute path that passes through a
+    ``*config`` attribute (or a local name assigned one), else None."""
+    if isinstance(node, ast.Name) and node.id in aliases:
+        node = aliases[node.id]
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or len(parts) < 2 or not parts[1].endswith("config"):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _len_bound(test: ast.expr, operator: type[ast.cmpop]) -> ast.expr | None:
+    """X in ``len(NAME) <operator> X``, else None."""
+    if (isinstance(test, ast.Compare) and len(test.ops) == 1
+            and isinstance(test.ops[0], operator) and isinstance(test.left, ast.Call)
+            and _name(test.left.func) == "len" and len(test.left.args) == 1
+            and isinstance(test.left.args[0], ast.Name)):
+        return test.comparators[0]
+    return None
+
+
+def _is_reversed_queue(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Call) and _name(node.func) == "reversed" and len(node.args) == 1
+            and _attribute(node.args[0]) == "grad_reduce_queue")
+
+
+def _decrements(body: list[ast.stmt], name: str) -> bool:
+    """The body is ``name -= 1`` alone."""
+    return (len(body) == 1 and isinstance(step := body[0], ast.AugAssign)
+            and isinstance(step.op, ast.Sub) and _names([step.target]) == [name]
+            and isinstance(step.value, ast.Constant) and step.value.value == 1)
+
+
+def _waits_last_under_rs_stream(statement: ast.stmt, argument: str) -> bool:
+    """``with <...>.stream(<...>.rs_stream): <...>.wait_for_previous_grad_reduce(argument)``."""
+    if not (isinstance(statement, ast.With) and len(statement.items) == 1
+            and len(statement.body) == 1):
+        return False
+    context = statement.items[0].context_expr
+    wait = statement.body[0]
+    return (isinstance(context, ast.Call) and _attribute(context.func) == "stream"
+            and len(context.args) == 1 and _attribute(context.args[0]) == "rs_stream"
+            and isinstance(wait, ast.Expr) and isinstance(wait.value, ast.Call)
+            and _attribute(wait.value.func) == "wait_for_previous_grad_reduce"
+            and _names(wait.value.args) == [argument] and not wait.value.keywords)
+
+
+def _names(nodes: list[ast.expr]) -> list[str | None]:
+    return [node.id if isinstance(node, ast.Name) else None for node in nodes]
+
+
+def _name(node: ast.expr) -> str | None:
+    return node.id if isinstance(node, ast.Name) else None
+
+
 def _called_attributes(node: ast.AST) -> set[str]:
     return {name for call in ast.walk(node) if isinstance(call, ast.Call)
             if (name := _attribute(call.func)) is not None}

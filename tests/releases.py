@@ -70,19 +70,21 @@ _FSDP_SRC = "megatron/core/distributed/fsdp/src/megatron_fsdp"
 
 def git_tree(ref: str) -> Path | None:
     """Folder holding ``megatron_fsdp`` as of ``ref`` (a branch of the clone, e.g. ``main`` or
-    ``pull-request/6316``); None when it is not cached and there is no clone with that ref."""
+    ``pull-request/6316``, or a full ref such as ``refs/pull/6317/head``); None when it is not
+    cached and there is no clone with that ref."""
     target = CACHE / "git" / ref.replace("/", "-")
     if (target / ".complete").exists():
         return target
     if MEGATRON_LM_GIT is None or not MEGATRON_LM_GIT.exists():
         return None
     git = ["git", "--git-dir", str(MEGATRON_LM_GIT)]
-    found = subprocess.run(git + ["rev-parse", "--verify", "--quiet", f"refs/heads/{ref}"],
+    full = ref if ref.startswith("refs/") else f"refs/heads/{ref}"
+    found = subprocess.run(git + ["rev-parse", "--verify", "--quiet", full],
                            capture_output=True, text=True)
     if found.returncode != 0:
         return None
     target.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(git + ["archive", f"refs/heads/{ref}", _FSDP_SRC],
+    archive = subprocess.run(git + ["archive", full, _FSDP_SRC],
                              capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
     (target / _FSDP_SRC).rename(target / "megatron_fsdp")

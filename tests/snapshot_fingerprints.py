@@ -1,12 +1,14 @@
 """Development-time check (not run in CI, which cannot reach GitHub): recompute the fingerprints
 that ``snapshots.py`` records, from the real files.
 
-    python tests/snapshot_fingerprints.py --nvidia NVIDIA-Megatron-LM.git --rocm ROCM_PGB.py
+    python tests/snapshot_fingerprints.py --nvidia NVIDIA-Megatron-LM.git [--rocm ROCM_PGB.py]
 
 ``--nvidia``: a git directory of NVIDIA/Megatron-LM holding the recorded commits (a clone or a
 mirror); the file and the version label are read with ``git show COMMIT:PATH``.
 ``--rocm``: ROCm/Megatron-LM's ``param_and_grad_buffer.py`` at the recorded commit, saved from
-GitHub (the ROCm #146 snapshot is that file with :func:`snapshots.apply_pr146` applied).
+GitHub (the ROCm #146 snapshot is that file with :func:`snapshots.apply_pr146` applied); without
+it the ROCm rows are skipped (and said so).
+The label of a megatron-fsdp snapshot (PR #6316) is read from its ``megatron_fsdp/package_info.py``.
 Prints one row per snapshot and exits 1 if any recorded fingerprint or label differs.
 
 ``--run``: also run each NVIDIA snapshot's real Megatron-FSDP package (the ``megatron_fsdp`` folder
@@ -39,10 +41,14 @@ def three_fingerprints(buffer_file: Path) -> tuple[str, ...]:
     return tuple(fingerprints.fp_code(tree.source(name)) for name in registry.FUNCTIONS)
 
 
-def core_label(git_dir: str, commit: str) -> str:
-    """megatron-core's version at ``commit`` as ``pip install`` would build it (no git hash)."""
+PACKAGE_INFO = {"megatron-core": "megatron/core/package_info.py",
+                "megatron-fsdp": str(Path(VENDORED).parent / "package_info.py")}
+
+
+def core_label(git_dir: str, commit: str, distribution: str = "megatron-core") -> str:
+    """``distribution``'s version at ``commit`` as ``pip install`` would build it (no git hash)."""
     text = subprocess.run(["git", "--git-dir", git_dir, "show",
-                           f"{commit}:megatron/core/package_info.py"],
+                           f"{commit}:{PACKAGE_INFO[distribution]}"],
                           check=True, capture_output=True, text=True).stdout
     parts = dict(re.findall(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE) = '?([^'\n]*)'?$", text, re.M))
     return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts['PRE_RELEASE']}"
@@ -82,7 +88,7 @@ def run_real_package(git_dir: str, commit: str, scratch: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nvidia", required=True, help="git dir of NVIDIA/Megatron-LM")
-    parser.add_argument("--rocm", required=True, type=Path,
+    parser.add_argument("--rocm", type=Path,
                         help=f"ROCm param_and_grad_buffer.py @{snapshots.ROCM_BUFFER}")
     parser.add_argument("--run", action="store_true",
                         help="also run each NVIDIA snapshot's real package, hotfix off and on")
@@ -92,6 +98,9 @@ def main() -> int:
         for snapshot in snapshots.SNAPSHOTS.values():
             real = Path(scratch) / f"{snapshot.name}.py"
             label_note = ""
+            if snapshot.repository == snapshots.ROCM and args.rocm is None:
+                print(f"{snapshot.name:16} skipped: no --rocm file")
+                continue
             if snapshot.repository == snapshots.ROCM:
                 shutil.copyfile(args.rocm, real)
                 if snapshot.pr146:
@@ -100,7 +109,7 @@ def main() -> int:
                 real.write_bytes(subprocess.run(
                     ["git", "--git-dir", args.nvidia, "show", f"{snapshot.commit}:{VENDORED}"],
                     check=True, capture_output=True).stdout)
-                label = core_label(args.nvidia, snapshot.commit)
+                label = core_label(args.nvidia, snapshot.commit, snapshot.distribution)
                 recorded = (snapshot.label or "").split("+")[0]
                 label_note = f" label {label}" + ("" if label == recorded else " MISMATCH")
                 failed |= label != recorded

@@ -18,9 +18,7 @@ from typing import Any
 
 from .. import incidents
 from ..patching import Undo, wrap_attribute
-from ..registry import ORDERED_DRAIN
-
-DEFAULT_POOL_SIZE = 2
+from ..registry import ORDERED_DRAIN, RELEASE_POOL_SIZE
 
 
 def entries_to_keep(pipeline: Any, add_buckets: list[int]) -> int | None:
@@ -45,12 +43,17 @@ def entries_to_keep(pipeline: Any, add_buckets: list[int]) -> int | None:
 
 
 def pool_size_of(buffer: Any) -> int:
-    """Slots in the gradient pool: the allocator's own count, else the config's, else 2."""
-    size = getattr(getattr(buffer, "main_grad_alloc", None), "size", None)
-    if isinstance(size, int) and size > 0:
-        return size
-    configured = getattr(buffer.ddp_config, "fsdp_buffer_count", None)
-    return configured if isinstance(configured, int) and configured > 0 else DEFAULT_POOL_SIZE
+    """N, the slots of the gradient pool: the built allocator's own ``size`` (what exists, even
+    if the config changed after the model was built); with no pool built (no FSDP unit module),
+    the configured ``fsdp_buffer_count`` (NVIDIA PR #6316), 2 where the release has no such
+    option. A built pool without an int ``size`` raises (reported as an incident)."""
+    allocator = buffer.main_grad_alloc
+    if allocator is None:
+        return int(getattr(buffer.ddp_config, "fsdp_buffer_count", RELEASE_POOL_SIZE))
+    size = allocator.size
+    if not isinstance(size, int) or size < 1:
+        raise TypeError(f"{type(allocator).__name__}.size is {size!r}, not a slot count")
+    return size
 
 
 def apply(buffer_module: ModuleType) -> Undo:

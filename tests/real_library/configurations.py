@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import releases
+import snapshots
 
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
@@ -35,7 +36,8 @@ CONTROL = "control"  # fsdp_double_buffer=False: wrong gradients that are not th
 @dataclass(frozen=True)
 class Configuration:
     id: str
-    source: str  # "0.6.1" (a megatron-fsdp wheel) or "git:<ref>" (a Megatron-LM branch)
+    source: str  # "0.6.1" (a megatron-fsdp wheel), "git:<ref>" (a Megatron-LM branch) or
+    #              "snapshot:<name>" (a copy rebuilt by tests/snapshots.py, no clone needed)
     what: str
     expect: str
     fields: dict[str, Any] = field(default_factory=dict)
@@ -89,8 +91,29 @@ CONFIGURATIONS = (
     Configuration("main-zero1", "git:main", "NVIDIA main (PR #6357: ZeRO-1 fused wgrad), "
                   "ZeRO-1, 1 microbatch", NOT_CHECKED, {"strategy": "optim", "microbatches": 1}),
     Configuration("pr6316-count3", "git:pull-request/6316",
-                  "PR #6316 (fsdp_buffer_count, on NVIDIA dev), fsdp_buffer_count=3", REFUSED,
+                  "PR #6316 (fsdp_buffer_count, on NVIDIA dev), fsdp_buffer_count=3", FIXED,
                   {"options": {"fsdp_buffer_count": 3}}),
+    # PR #6316's siblings (open #6317, #6318, #6665 build on its change; closed #5657 sized only
+    # the MaxPool, with megatron_fsdp_max_pool_buffer_count, and kept 0.19's drain).
+    *(Configuration(f"pr{pull}-count3", f"git:refs/pull/{pull}/head",
+                    f"PR #{pull} ({what}), FixedPool, ZeRO-3, fsdp_buffer_count=3", FIXED,
+                    {"options": {"fsdp_buffer_count": 3}})
+      for pull, what in (("6317", "PR #6316 + deterministic manual UBR registration"),
+                         ("6318", "PR #6316 + symmetric UBR scoped to dense inner gathers"),
+                         ("6665", "as #6318, expert allocator units in double_buf_units"))),
+    Configuration("pr5657-maxpool-count3", "git:refs/pull/5657/head",
+                  "PR #5657 (closed: megatron_fsdp_max_pool_buffer_count, 0.19's drain), "
+                  "MaxPool, ZeRO-3, 3 slots", FIXED,
+                  {"options": {**MAXPOOL, "maxpool_buffer_count": 3}}),
+    # PR #6316 rebuilt from the 0.6.1 wheel (tests/snapshots.py), so that CI runs N-slot pools.
+    *(Configuration(f"pr6316-rebuilt-{pool}-count{n}", "snapshot:pr6316",
+                    f"PR #6316 rebuilt, {what}, ZeRO-3, fsdp_buffer_count={n}", FIXED,
+                    {"options": {**options, "fsdp_buffer_count": n}})
+      for pool, what, options in (("fixedpool", "FixedPool", {}), ("maxpool", "MaxPool", MAXPOOL))
+      for n in (3, 4)),
+    Configuration("pr6316-rebuilt-zero2-count3", "snapshot:pr6316",
+                  "PR #6316 rebuilt, FixedPool, ZeRO-2, fsdp_buffer_count=3", FIXED,
+                  {"strategy": "optim_grads", "options": {"fsdp_buffer_count": 3}}),
     Configuration("control-zero1-2mb", "0.6.1", "control: ZeRO-1, 2 microbatches, "
                   "fsdp_double_buffer=False", CONTROL,
                   {"strategy": "optim", "double_buffer": False}),
@@ -103,14 +126,21 @@ CONFIGURATIONS = (
 def path_of(source: str) -> Path | None:
     if source.startswith("git:"):
         return releases.git_tree(source[4:])
+    if source.startswith("snapshot:"):
+        return snapshots.cached(source[9:])
     return releases.unpacked("megatron-fsdp", source)
 
 
 def release_label(source: str) -> str:
     if source.startswith("git:"):
         ref = source[4:]
-        name = "NVIDIA main" if ref == "main" else f"PR #{ref.rsplit('/', 1)[-1]}"
+        pull = re.search(r"\d+", ref)
+        name = "NVIDIA main" if pull is None else f"PR #{pull.group()}"
         return f"{name} @{releases.git_commit(ref)}"
+    if source.startswith("snapshot:"):
+        snapshot = snapshots.SNAPSHOTS[source[9:]]
+        return (f"{snapshot.distribution} {snapshot.base} + PR #6316's change "
+                f"(@{snapshot.commit[:10]}), rebuilt")
     return f"megatron-fsdp {source}"
 
 
