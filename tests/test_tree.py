@@ -71,7 +71,7 @@ def test_a_checkout_is_judged_by_code_shape_not_by_this_environments_label(
 
 
 def test_the_clone_as_checked_out(tmp_path: Path) -> None:
-    if releases.git_tree("main") is None:
+    if releases.MEGATRON_LM_GIT is None or releases.git_tree("main") is None:
         pytest.skip(f"no clone of NVIDIA/Megatron-LM with refs/heads/main at "
                     f"{releases.MEGATRON_LM_GIT} (set MFSDP_TEST_MEGATRON_LM)")
     archive = subprocess.run(["git", "--git-dir", str(releases.MEGATRON_LM_GIT), "archive",
