@@ -149,7 +149,8 @@ def phase_jobs(phase: str, a: argparse.Namespace, te: bool) -> list[dict[str, An
         return te_matrix.plan([r for r in releases if r in te_matrix.NSLOT_RELEASES]
                               or list(te_matrix.NSLOT_RELEASES), layers=te_matrix.NSLOT_LAYERS,
                               dtypes=("fp32",), phase="nslot",
-                              size={"buffer_count": te_matrix.NSLOT_COUNT})
+                              size={"buffer_count": te_matrix.NSLOT_COUNT,
+                                    "units": te_matrix.NSLOT_UNITS})
     if phase == "long":
         return long_jobs(releases)
     if phase == "oracles":

@@ -39,6 +39,10 @@ RELEASES = [  # (short name, wheel glob, import path)
     # NVIDIA PR #6316 (fsdp_buffer_count, N-slot pools), not released: its megatron_fsdp folder
     # zipped from a Megatron-LM clone by `validation/pack_tree.py pull-request/6316`
     ("pr6316", "megatron_fsdp-pr6316-*.zip", "megatron_fsdp"),
+    # the same code shape rebuilt from the megatron-fsdp 0.6.1 wheel, as CI tests it, with
+    # fsdp_buffer_count=3 as its default: `python tests/snapshots.py build pr6316 DIR
+    # --buffer-count 3`, then DIR's contents zipped as megatron_fsdp-pr6316rebuilt-n3.zip
+    ("pr6316-rebuilt", "megatron_fsdp-pr6316rebuilt-*.zip", "megatron_fsdp"),
 ]
 # the phases' default release list: what users can install
 RELEASED = [r[0] for r in RELEASES if not r[0].startswith("pr")]

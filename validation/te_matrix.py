@@ -36,9 +36,10 @@ MAXPOOL_RELEASES = ("fsdp-0.6.1", "core-0.19.2")
 MAXPOOL_LAYERS = LAYERS[:4]
 # N-slot pools (NVIDIA PR #6316, fsdp_buffer_count): the emulated contract and the TE layers
 # that matter most, with a pool of three slots
-NSLOT_RELEASES = ("pr6316",)
+NSLOT_RELEASES = ("pr6316", "pr6316-rebuilt")
 NSLOT_LAYERS = [("emulated", True, False)] + LAYERS[:4]
 NSLOT_COUNT = 3
+NSLOT_UNITS = 6  # twice the pool: every slot is recycled within a backward
 VARIANTS = {"shipped": "shipped-audit", "hotfix": "hotfix-audit"}
 
 
