@@ -84,19 +84,26 @@ def run(grads: list[list[float]], losses: list[float], params: list[float] | Non
 
 
 def test_outcome_is_exact_only_when_every_bit_is_the_same() -> None:
+    """The harness's record of mfsdp_hotfix/compare.py: gradients per step, losses and final
+    parameters with the last step, and how much it compared."""
     ref = run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0])
-    same = harness.compare(torch, run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0]), ref)
+    same = harness.compare(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0]), ref)
     assert same["outcome"] == "exact" and same["max_abs_diff"] == 0.0 and same["rel_l2"] == 0.0
-    grad = harness.compare(torch, run([[1.0, 0.0], [2.0, 3.5]], [0.5, 0.25], [1.0, 2.0]), ref)
+    assert (same["steps_compared"], same["tensors_compared"]) == (2, 4)
+    assert same["losses_exact"] and same["params_exact"]
+    grad = harness.compare(run([[1.0, 0.0], [2.0, 3.5]], [0.5, 0.25], [1.0, 2.0]), ref)
     assert grad["outcome"] == "wrong" and grad["max_abs_diff"] == 0.5
     assert grad["first_bad_step"] == 1
-    signed_zero = harness.compare(torch, run([[1.0, -0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0]),
-                                  ref)
+    signed_zero = harness.compare(run([[1.0, -0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0]), ref)
     assert signed_zero["outcome"] == "wrong" and signed_zero["max_abs_diff"] == 0.0
-    loss = harness.compare(torch, run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.3], [1.0, 2.0]), ref)
+    loss = harness.compare(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.3], [1.0, 2.0]), ref)
     assert loss["outcome"] == "wrong" and loss["losses_exact"] is False
-    param = harness.compare(torch, run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.5]), ref)
+    param = harness.compare(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.5]), ref)
     assert param["outcome"] == "wrong" and param["params_exact"] is False
+    nothing = harness.compare(run([], [0.5]), run([], [0.5]))
+    assert nothing["outcome"] == "wrong" and nothing["not_exact_because"] == ["no step compared"]
+    nan = harness.compare(run([[float("nan")]], [0.5]), run([[float("nan")]], [0.5]))
+    assert nan["outcome"] == "wrong" and nan["max_abs_diff"] is None
     assert harness.digest(ref) == harness.digest(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25],
                                                      [1.0, 2.0]))
 
@@ -144,6 +151,28 @@ def test_summary_records_have_exactly_the_required_keys_and_outcome_rules() -> N
         "dtype": "bf16", "variant": "shipped", "te_version": "2.20.2", "outcome": "wrong",
         "rel_l2": 0.7}
     assert (row["audit_unordered"], row["audit_reuses"]) == (12, 16)
+
+
+def test_a_configuration_the_release_cannot_run_is_unsupported_not_a_crash() -> None:
+    spec = {"layer": "te-linear", "fuse": True, "zero": 2, "delay_ms": 0, "dtype": "fp32",
+            "te_variant": "hotfix", "delay_wgrad": True}
+    refusal = ("RuntimeError: delay_wgrad_compute: 8 parameters marked skip_backward_post_hook "
+               "after wrapping, 0 with Megatron-FSDP's post_wgrad_grad_acc_hook: not supported "
+               "by this release")
+    flagged = record("te", "fsdp-0.4.0", "hotfix-audit", spec=spec, unsupported=True,
+                     error=refusal, comparison={"outcome": "unsupported"})
+    older = record("te", "fsdp-0.4.0", "shipped-audit", spec=dict(spec, te_variant="shipped"),
+                   crashed=True, error=refusal, comparison={"outcome": "crash"})
+    crash = record("te", "fsdp-0.5.1", "hotfix-audit", spec=spec, crashed=True,
+                   error="AssertionError: No buffer found", comparison={"outcome": "crash"})
+    assert [gpu_report.outcome(r) for r in (flagged, older, crash)] == [
+        "unsupported", "unsupported", "crash"]
+    rows = gpu_report.te_summary([flagged, older])
+    assert {r["outcome"] for r in rows} == {"unsupported"} and all(r["error"] for r in rows)
+    assert "unsupported by the release" in gpu_report.te_table(rows)
+    exact_nan = record("fuzz", "fsdp-0.5.1", "hotfix", spec={"seed": 1}, nonfinite_grads=True,
+                       comparison={"outcome": "exact", "max_abs_diff": 0.0})
+    assert gpu_report.outcome(exact_nan) == "wrong"  # an older record's NaN-blind verdict
 
 
 def test_fuzz_plan_writes_each_truth_before_its_comparison_in_every_era() -> None:
@@ -252,8 +281,9 @@ for fuse, dw in ((True, False), (True, True), (False, True)):
                               microbatches=2, steps=2, layer="te-linear", fuse=fuse,
                               delay_wgrad=dw, truth={"mode": "save", "path": path}))
     out[f"{fuse}_{dw}"] = {"error": r["error"], "hooks": r.get("delay_wgrad_hooks"),
-                           "same": None if r["crashed"] else harness.compare(
-                               torch, torch.load(path), torch.load(f"{sys.argv[1]}/True_False.pt")
+                           "unsupported": r.get("unsupported"), "crashed": r["crashed"],
+                           "same": None if r["error"] else harness.compare(
+                               torch.load(path), torch.load(f"{sys.argv[1]}/True_False.pt")
                            )["outcome"]}
 print(json.dumps(out))
 """
@@ -278,3 +308,4 @@ def test_delayed_wgrad_runs_megatron_fsdp_hooks_after_backward_dw(fsdp_release, 
     else:
         for key in ("True_True", "False_True"):
             assert "not supported by this release" in out[key]["error"], out
+            assert out[key]["unsupported"] and not out[key]["crashed"], out  # not a crash

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import comparison
 import run_matrix
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -248,7 +249,7 @@ def _record(spec: dict[str, Any], why: str, j: dict[str, Any], base: str,
     if not crashed:
         rec["skipped"] = why
     elif (spec.get("truth") or {}).get("mode") == "compare":
-        rec["comparison"] = {"outcome": "crash", "max_abs_diff": None, "truth_crashed": None}
+        rec["comparison"] = comparison.not_compared("crash", truth_crashed=None)
     if crashed and (spec.get("truth") or {}).get("mode") == "save":
         try:
             with open(spec["truth"]["path"] + ".crash", "w") as f:
