@@ -27,6 +27,8 @@ class Comparison:
     elements: int = 0
     max_abs: float | None = None
     rel_l2: float | None = None
+    diff_sq: float | None = None  # squared L2 norms (float64) behind rel_l2, for sums over ranks
+    ref_sq: float | None = None
     first_bad_step: int | None = None
     differing: list[str] = field(default_factory=list)  # names not bit-identical at some step
     why: list[str] = field(default_factory=list)  # empty when exact
@@ -92,7 +94,9 @@ def compare(got: Sequence[Mapping[str, Any]], want: Sequence[Mapping[str, Any]])
         result._fail(None, "no element compared")
     if not finite or result.max_abs is None:
         result.max_abs = None
-    elif ref_sq > 0:
+        return result
+    result.diff_sq, result.ref_sq = diff_sq, ref_sq
+    if ref_sq > 0:
         result.rel_l2 = (diff_sq ** 0.5) / (ref_sq ** 0.5)
     elif diff_sq == 0:
         result.rel_l2 = 0.0
