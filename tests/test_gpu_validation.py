@@ -12,7 +12,9 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -175,6 +177,21 @@ def test_a_configuration_the_release_cannot_run_is_unsupported_not_a_crash() -> 
     assert gpu_report.outcome(exact_nan) == "wrong"  # an older record's NaN-blind verdict
 
 
+def test_each_committed_raw_file_holds_only_its_own_runs_cases() -> None:
+    """No record of an earlier call on the same machine: every record is of the file's phase,
+    once, and started after the call did."""
+    import calendar
+
+    for path in sorted((REPO / "docs" / "validation").glob("gpu-*.json.gz")):
+        with gzip.open(path, "rt") as f:
+            doc = json.load(f)
+        start = calendar.timegm(time.strptime(doc["date_utc"], "%Y-%m-%d %H:%M:%S"))
+        cases = [(r["spec"]["phase"], r["id"]) for r in doc["records"]]
+        assert len(cases) == len(set(cases)), path.name
+        assert {phase for phase, _ in cases} == {doc["phase"]}, path.name
+        assert all(r["t_start"] >= start for r in doc["records"] if "t_start" in r), path.name
+
+
 def test_fuzz_plan_writes_each_truth_before_its_comparison_in_every_era() -> None:
     jobs = fuzz.plan(RELEASES, list(range(100)), te_available=True)
     seen_truths: set[str] = set()
@@ -233,19 +250,43 @@ def wheels(tmp_path: Path) -> Path:
     return folder
 
 
-def test_smoke_phase_runs_end_to_end_on_cpu(wheels: Path, tmp_path: Path) -> None:
-    """Real megatron-fsdp 0.4.0 (era A) through the engine, its worker processes, truths,
-    optimizer steps, the audit and the report. On CPU nothing races: the shipped release
-    crashes ('No buffer found') or is exact, the hotfix is always exact."""
-    out = tmp_path / "out"
-    env = dict(os.environ, MFSDP_VAL_WORK=str(tmp_path / "work"), PYTHONWARNINGS="ignore")
+def run_on_cpu(wheels: Path, work: Path, out: Path, phase: str) -> dict[str, Any]:
+    """One CPU run of gpu_phases.py (megatron-fsdp 0.4.0, tiny cases) with MFSDP_VAL_WORK=work;
+    its raw file holds exactly its own cases, once each, started during this run."""
+    env = dict(os.environ, MFSDP_VAL_WORK=str(work), PYTHONWARNINGS="ignore")
+    started = time.time()
     proc = subprocess.run([sys.executable, "validation/gpu_phases.py", "--cpu", "--tiny",
-                           "--phases", "smoke", "--releases", "fsdp-0.4.0", "--wheels",
+                           "--phases", phase, "--releases", "fsdp-0.4.0", "--wheels",
                            str(wheels), "--out", str(out), "--workers", "2"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with gzip.open(out / "smoke.json.gz", "rt") as f:
-        doc = json.load(f)
+    with gzip.open(out / f"{phase}.json.gz", "rt") as f:
+        doc: dict[str, Any] = json.load(f)
+    recs = doc["records"]
+    cases = [(r["spec"]["phase"], r["id"]) for r in recs]
+    assert len(cases) == len(set(cases))
+    assert {r["job"]["run"] for r in recs} == {doc["run"]}
+    assert all(r["t_start"] >= started for r in recs if "t_start" in r)
+    compared = [r["comparison"] for r in recs if "comparison" in r]
+    assert compared and all("steps_compared" in c and "tensors_compared" in c for c in compared)
+    return doc
+
+
+def job_files(work: Path, run: str) -> dict[str, str]:
+    return {p.name: p.read_text() for p in (work / "runs" / run / "jobs").glob("*.jsonl")}
+
+
+def test_smoke_phase_runs_end_to_end_on_cpu(wheels: Path, tmp_path: Path) -> None:
+    """Real megatron-fsdp 0.4.0 (era A) through the engine, its worker processes, truths,
+    optimizer steps, the audit and the report. On CPU nothing races: the shipped release
+    crashes ('No buffer found') or is exact, the hotfix is always exact. Then a second run in
+    the same work folder (a machine kept between calls): the two runs do not mix."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    doc = run_on_cpu(wheels, work, out, "smoke")
+    first = job_files(work, doc["run"])
+    second = run_on_cpu(wheels, work, tmp_path / "out2", "long")
+    assert second["run"] != doc["run"] and len(second["records"]) == 12  # 2 variants x 2 ZeRO x 3
+    assert job_files(work, doc["run"]) == first  # the first run's files are untouched
     recs = doc["records"]
     assert doc["complete"] and not [r for r in recs if r.get("skipped")]
     fuzz_rows = gpu_report.fuzz_summary(recs, smoke=True)

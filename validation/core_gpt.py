@@ -532,8 +532,9 @@ def outcome(r):
         if "comparison" in res:
             return res["comparison"]["outcome"]
         # recorded before the bit comparison: the values were compared, not the bits
-        return "equal values" if not res.get("max_abs") and "nonfinite_step" not in res and (
-            res.get("max_abs") is not None) else "wrong"
+        largest = res.get("max_abs")
+        same_values = largest is not None and not largest and "nonfinite_step" not in res
+        return "equal values" if same_values else "wrong"
     if r.get("no_truth"):
         return "ran-no-truth"
     return "ok"

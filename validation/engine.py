@@ -207,9 +207,9 @@ class Engine:
     # ---- many
     def run(self, jobs: list[dict[str, Any]], on_records: Callable[[list[dict[str, Any]]], None]
             | None = None) -> list[dict[str, Any]]:
-        planned = [s["id"] for j in jobs for s in j["specs"]]
-        if len(set(planned)) != len(planned) or None in planned:
-            raise ValueError("every case of a run needs an id of its own")
+        planned = [_case(s) for j in jobs for s in j["specs"]]
+        if len(set(planned)) != len(planned) or any(i is None for _, i in planned):
+            raise ValueError("every case of a run needs an id of its own in its phase")
         queue = deque(jobs)
         running: list[dict[str, Any]] = []
         out: list[dict[str, Any]] = []
@@ -269,11 +269,16 @@ class Engine:
                          f"{time.time() - r['t0']:.1f}s, {len(queue)} queued, "
                          f"{len(running)} running, {self.deadline - time.time():.0f}s left")
             time.sleep(0.2)
-        missing = set(planned) - {r.get("id") for r in out}
+        missing = set(planned) - {_case(r["spec"]) for r in out}
         if missing or len(out) != len(planned):
             raise RuntimeError(f"{len(planned)} cases planned, {len(out)} records; no record of "
                                f"{sorted(missing)[:10]}")
         return out
+
+
+def _case(spec: dict[str, Any]) -> tuple[str, Any]:
+    """A case's identity in a run: its phase and its id (phases share ids, such as seeds)."""
+    return str(spec.get("phase")), spec.get("id")
 
 
 def _record(spec: dict[str, Any], why: str, j: dict[str, Any], base: str,
