@@ -7,6 +7,8 @@ A *job* is one process: its environment fixes what is per process (release on ``
 its ``specs`` are ``harness.run_case`` specs. Worker mode (``engine.py --job FILE``) appends one
 JSON line per case to the job's result file and exits 3 when a case left the CUDA context
 unusable; the driver (:class:`Engine`) then records that case as a crash and re-queues the rest.
+Result files live in the run's own folder (``workdir.run_dir()``), records are matched to the
+job's cases by id, and a run that ends with a planned case unrecorded raises.
 
 The driver keeps at most ``limit()`` workers running, holds TE jobs until TransformerEngine is
 ready (``te_state``), respects a wall deadline (a job cut by it keeps the records it wrote; the
