@@ -240,6 +240,15 @@ def test_phases_plan_without_a_gpu() -> None:
         assert f"oracles/{release}/shipped/emu/sanitizer" in out
 
 
+def test_seeds_take_a_range_and_say_so() -> None:
+    for bad in ("100", "5:2", "a:b"):
+        proc = subprocess.run([sys.executable, "validation/gpu_phases.py", "--dry", "--phases",
+                               "fuzz", "--seeds", bad], cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "give a range LO:HI" in proc.stderr
+    assert gpu_phases.seed_range("3:7") == (3, 7)
+
+
 @pytest.fixture()
 def wheels(tmp_path: Path) -> Path:
     import releases

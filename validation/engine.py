@@ -126,7 +126,7 @@ class Engine:
         self.log = log
         self.seq = 0
         self.jobs_dir = os.path.join(workdir.run_dir(), "jobs")
-        os.makedirs(self.jobs_dir, exist_ok=True)
+        os.makedirs(self.jobs_dir)  # a run's own: an existing one is an error
 
     # ---- one process
     def _env(self, j: dict[str, Any]) -> dict[str, str]:

@@ -16,19 +16,16 @@ _run: str | None = None
 
 
 def run_dir() -> str:
-    """This process's run folder, made on first use (never one that exists already)."""
+    """This process's run folder: named on first use, never one that exists already. Planning
+    only names it; the engine creates it (and refuses one that exists)."""
     global _run
     if _run is None:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         base = os.path.join(PARENT, "runs", f"{stamp}-{os.getpid()}")
         path, n = base, 1
-        while True:
-            try:
-                os.makedirs(path)
-                break
-            except FileExistsError:
-                n += 1
-                path = f"{base}-{n}"
+        while os.path.exists(path):
+            n += 1
+            path = f"{base}-{n}"
         _run = path
     return _run
 
