@@ -178,8 +178,8 @@ def test_a_configuration_the_release_cannot_run_is_unsupported_not_a_crash() -> 
 
 
 def test_each_committed_raw_file_holds_only_its_own_runs_cases() -> None:
-    """No record of an earlier call on the same machine: every record is of the file's phase,
-    once, and started after the call did."""
+    """No record of an earlier GPU run on the same machine: every record is of the file's
+    phase, once, and started after the run did."""
     import calendar
 
     for path in sorted((REPO / "docs" / "validation").glob("gpu-*.json.gz")):
@@ -289,7 +289,7 @@ def test_smoke_phase_runs_end_to_end_on_cpu(wheels: Path, tmp_path: Path) -> Non
     """Real megatron-fsdp 0.4.0 (era A) through the engine, its worker processes, truths,
     optimizer steps, the audit and the report. On CPU nothing races: the shipped release
     crashes ('No buffer found') or is exact, the hotfix is always exact. Then a second run in
-    the same work folder (a machine kept between calls): the two runs do not mix."""
+    the same work folder (a machine kept between runs): the two runs do not mix."""
     out, work = tmp_path / "out", tmp_path / "work"
     doc = run_on_cpu(wheels, work, out, "smoke")
     first = job_files(work, doc["run"])

@@ -3,7 +3,7 @@
 #   bash validation/gpu_call.sh [gpu_phases.py options] --phases smoke|fuzz|te|long|oracles ...
 # Carry: validation/wheels (the release wheels) and .te (TransformerEngine payload + setup.sh).
 # Writes under $OUT: <phase>.json.gz per phase, console.txt (the driver's output) and
-# te-setup-tail.txt (the TE build's log tail, when TE was set up): at most 7 files. Each call's
+# te-setup-tail.txt (the TE build's log tail, when TE was set up): at most 7 files. Each run's
 # work folder is its own (validation/workdir.py), so a machine kept warm mixes nothing.
 # All phases share one queue, in the order given (= priority when the budget runs out); while
 # TE is being built (~190 s, 4 workers) only emulated jobs run. Estimates from call 1's per-case

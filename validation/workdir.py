@@ -2,7 +2,7 @@
 
 ``MFSDP_VAL_WORK`` (default ``/tmp/mfsdp_val``) is the parent: the unpacked release wheels are
 shared there (``rel/``), and every driver process gets a fresh folder under ``runs/`` for its result
-files, serialized truths and audit files. On a machine kept between calls, nothing an earlier
+files, serialized truths and audit files. On a machine kept between runs, nothing an earlier
 run left can then be read as this run's (a result file that already holds lines, a truth file).
 """
 
