@@ -12,7 +12,9 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -84,19 +86,26 @@ def run(grads: list[list[float]], losses: list[float], params: list[float] | Non
 
 
 def test_outcome_is_exact_only_when_every_bit_is_the_same() -> None:
+    """The harness's record of mfsdp_hotfix/compare.py: gradients per step, losses and final
+    parameters with the last step, and how much it compared."""
     ref = run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0])
-    same = harness.compare(torch, run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0]), ref)
+    same = harness.compare(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0]), ref)
     assert same["outcome"] == "exact" and same["max_abs_diff"] == 0.0 and same["rel_l2"] == 0.0
-    grad = harness.compare(torch, run([[1.0, 0.0], [2.0, 3.5]], [0.5, 0.25], [1.0, 2.0]), ref)
+    assert (same["steps_compared"], same["tensors_compared"]) == (2, 4)
+    assert same["losses_exact"] and same["params_exact"]
+    grad = harness.compare(run([[1.0, 0.0], [2.0, 3.5]], [0.5, 0.25], [1.0, 2.0]), ref)
     assert grad["outcome"] == "wrong" and grad["max_abs_diff"] == 0.5
     assert grad["first_bad_step"] == 1
-    signed_zero = harness.compare(torch, run([[1.0, -0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0]),
-                                  ref)
+    signed_zero = harness.compare(run([[1.0, -0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0]), ref)
     assert signed_zero["outcome"] == "wrong" and signed_zero["max_abs_diff"] == 0.0
-    loss = harness.compare(torch, run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.3], [1.0, 2.0]), ref)
+    loss = harness.compare(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.3], [1.0, 2.0]), ref)
     assert loss["outcome"] == "wrong" and loss["losses_exact"] is False
-    param = harness.compare(torch, run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.5]), ref)
+    param = harness.compare(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.5]), ref)
     assert param["outcome"] == "wrong" and param["params_exact"] is False
+    nothing = harness.compare(run([], [0.5]), run([], [0.5]))
+    assert nothing["outcome"] == "wrong" and nothing["not_exact_because"] == ["no step compared"]
+    nan = harness.compare(run([[float("nan")]], [0.5]), run([[float("nan")]], [0.5]))
+    assert nan["outcome"] == "wrong" and nan["max_abs_diff"] is None
     assert harness.digest(ref) == harness.digest(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25],
                                                      [1.0, 2.0]))
 
@@ -144,6 +153,43 @@ def test_summary_records_have_exactly_the_required_keys_and_outcome_rules() -> N
         "dtype": "bf16", "variant": "shipped", "te_version": "2.20.2", "outcome": "wrong",
         "rel_l2": 0.7}
     assert (row["audit_unordered"], row["audit_reuses"]) == (12, 16)
+
+
+def test_a_configuration_the_release_cannot_run_is_unsupported_not_a_crash() -> None:
+    spec = {"layer": "te-linear", "fuse": True, "zero": 2, "delay_ms": 0, "dtype": "fp32",
+            "te_variant": "hotfix", "delay_wgrad": True}
+    refusal = ("RuntimeError: delay_wgrad_compute: 8 parameters marked skip_backward_post_hook "
+               "after wrapping, 0 with Megatron-FSDP's post_wgrad_grad_acc_hook: not supported "
+               "by this release")
+    flagged = record("te", "fsdp-0.4.0", "hotfix-audit", spec=spec, unsupported=True,
+                     error=refusal, comparison={"outcome": "unsupported"})
+    older = record("te", "fsdp-0.4.0", "shipped-audit", spec=dict(spec, te_variant="shipped"),
+                   crashed=True, error=refusal, comparison={"outcome": "crash"})
+    crash = record("te", "fsdp-0.5.1", "hotfix-audit", spec=spec, crashed=True,
+                   error="AssertionError: No buffer found", comparison={"outcome": "crash"})
+    assert [gpu_report.outcome(r) for r in (flagged, older, crash)] == [
+        "unsupported", "unsupported", "crash"]
+    rows = gpu_report.te_summary([flagged, older])
+    assert {r["outcome"] for r in rows} == {"unsupported"} and all(r["error"] for r in rows)
+    assert "unsupported by the release" in gpu_report.te_table(rows)
+    exact_nan = record("fuzz", "fsdp-0.5.1", "hotfix", spec={"seed": 1}, nonfinite_grads=True,
+                       comparison={"outcome": "exact", "max_abs_diff": 0.0})
+    assert gpu_report.outcome(exact_nan) == "wrong"  # an older record's NaN-blind verdict
+
+
+def test_each_committed_raw_file_holds_only_its_own_runs_cases() -> None:
+    """No record of an earlier GPU run on the same machine: every record is of the file's
+    phase, once, and started after the run did."""
+    import calendar
+
+    for path in sorted((REPO / "docs" / "validation").glob("gpu-*.json.gz")):
+        with gzip.open(path, "rt") as f:
+            doc = json.load(f)
+        start = calendar.timegm(time.strptime(doc["date_utc"], "%Y-%m-%d %H:%M:%S"))
+        cases = [(r["spec"]["phase"], r["id"]) for r in doc["records"]]
+        assert len(cases) == len(set(cases)), path.name
+        assert {phase for phase, _ in cases} == {doc["phase"]}, path.name
+        assert all(r["t_start"] >= start for r in doc["records"] if "t_start" in r), path.name
 
 
 def test_fuzz_plan_writes_each_truth_before_its_comparison_in_every_era() -> None:
@@ -194,6 +240,15 @@ def test_phases_plan_without_a_gpu() -> None:
         assert f"oracles/{release}/shipped/emu/sanitizer" in out
 
 
+def test_seeds_take_a_range_and_say_so() -> None:
+    for bad in ("100", "5:2", "a:b"):
+        proc = subprocess.run([sys.executable, "validation/gpu_phases.py", "--dry", "--phases",
+                               "fuzz", "--seeds", bad], cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "give a range LO:HI" in proc.stderr
+    assert gpu_phases.seed_range("3:7") == (3, 7)
+
+
 @pytest.fixture()
 def wheels(tmp_path: Path) -> Path:
     import releases
@@ -204,19 +259,43 @@ def wheels(tmp_path: Path) -> Path:
     return folder
 
 
-def test_smoke_phase_runs_end_to_end_on_cpu(wheels: Path, tmp_path: Path) -> None:
-    """Real megatron-fsdp 0.4.0 (era A) through the engine, its worker processes, truths,
-    optimizer steps, the audit and the report. On CPU nothing races: the shipped release
-    crashes ('No buffer found') or is exact, the hotfix is always exact."""
-    out = tmp_path / "out"
-    env = dict(os.environ, MFSDP_VAL_WORK=str(tmp_path / "work"), PYTHONWARNINGS="ignore")
+def run_on_cpu(wheels: Path, work: Path, out: Path, phase: str) -> dict[str, Any]:
+    """One CPU run of gpu_phases.py (megatron-fsdp 0.4.0, tiny cases) with MFSDP_VAL_WORK=work;
+    its raw file holds exactly its own cases, once each, started during this run."""
+    env = dict(os.environ, MFSDP_VAL_WORK=str(work), PYTHONWARNINGS="ignore")
+    started = time.time()
     proc = subprocess.run([sys.executable, "validation/gpu_phases.py", "--cpu", "--tiny",
-                           "--phases", "smoke", "--releases", "fsdp-0.4.0", "--wheels",
+                           "--phases", phase, "--releases", "fsdp-0.4.0", "--wheels",
                            str(wheels), "--out", str(out), "--workers", "2"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with gzip.open(out / "smoke.json.gz", "rt") as f:
-        doc = json.load(f)
+    with gzip.open(out / f"{phase}.json.gz", "rt") as f:
+        doc: dict[str, Any] = json.load(f)
+    recs = doc["records"]
+    cases = [(r["spec"]["phase"], r["id"]) for r in recs]
+    assert len(cases) == len(set(cases))
+    assert {r["job"]["run"] for r in recs} == {doc["run"]}
+    assert all(r["t_start"] >= started for r in recs if "t_start" in r)
+    compared = [r["comparison"] for r in recs if "comparison" in r]
+    assert compared and all("steps_compared" in c and "tensors_compared" in c for c in compared)
+    return doc
+
+
+def job_files(work: Path, run: str) -> dict[str, str]:
+    return {p.name: p.read_text() for p in (work / "runs" / run / "jobs").glob("*.jsonl")}
+
+
+def test_smoke_phase_runs_end_to_end_on_cpu(wheels: Path, tmp_path: Path) -> None:
+    """Real megatron-fsdp 0.4.0 (era A) through the engine, its worker processes, truths,
+    optimizer steps, the audit and the report. On CPU nothing races: the shipped release
+    crashes ('No buffer found') or is exact, the hotfix is always exact. Then a second run in
+    the same work folder (a machine kept between runs): the two runs do not mix."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    doc = run_on_cpu(wheels, work, out, "smoke")
+    first = job_files(work, doc["run"])
+    second = run_on_cpu(wheels, work, tmp_path / "out2", "long")
+    assert second["run"] != doc["run"] and len(second["records"]) == 12  # 2 variants x 2 ZeRO x 3
+    assert job_files(work, doc["run"]) == first  # the first run's files are untouched
     recs = doc["records"]
     assert doc["complete"] and not [r for r in recs if r.get("skipped")]
     fuzz_rows = gpu_report.fuzz_summary(recs, smoke=True)
@@ -252,8 +331,9 @@ for fuse, dw in ((True, False), (True, True), (False, True)):
                               microbatches=2, steps=2, layer="te-linear", fuse=fuse,
                               delay_wgrad=dw, truth={"mode": "save", "path": path}))
     out[f"{fuse}_{dw}"] = {"error": r["error"], "hooks": r.get("delay_wgrad_hooks"),
-                           "same": None if r["crashed"] else harness.compare(
-                               torch, torch.load(path), torch.load(f"{sys.argv[1]}/True_False.pt")
+                           "unsupported": r.get("unsupported"), "crashed": r["crashed"],
+                           "same": None if r["error"] else harness.compare(
+                               torch.load(path), torch.load(f"{sys.argv[1]}/True_False.pt")
                            )["outcome"]}
 print(json.dumps(out))
 """
@@ -278,3 +358,4 @@ def test_delayed_wgrad_runs_megatron_fsdp_hooks_after_backward_dw(fsdp_release, 
     else:
         for key in ("True_True", "False_True"):
             assert "not supported by this release" in out[key]["error"], out
+            assert out[key]["unsupported"] and not out[key]["crashed"], out  # not a crash

@@ -1,5 +1,6 @@
 """The package's layers look only down: no module imports one that imports it back (directly or
-through others), at module level or inside a function."""
+through others), at module level or inside a function. The same holds for the scripts of
+validation/ and benchmarks/, which import each other by bare name (their folder on sys.path)."""
 
 from __future__ import annotations
 
@@ -39,11 +40,7 @@ def imports(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-def test_no_import_cycle() -> None:
-    paths = sorted(PACKAGE.rglob("*.py"))
-    modules = {module_name(p) for p in paths}
-    graph = {module_name(p): imports(p, modules) for p in paths}
-    assert graph["mfsdp_hotfix.installer"], "the graph must see relative imports"
+def find_cycle(graph: dict[str, set[str]]) -> None:
     done: set[str] = set()
 
     def visit(node: str, trail: list[str]) -> None:
@@ -57,3 +54,43 @@ def test_no_import_cycle() -> None:
 
     for node in sorted(graph):
         visit(node, [])
+
+
+def test_no_import_cycle() -> None:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+    graph = {module_name(p): imports(p, modules) for p in paths}
+    assert graph["mfsdp_hotfix.installer"], "the graph must see relative imports"
+    find_cycle(graph)
+
+
+def script_graph() -> dict[str, set[str]]:
+    """validation/ and benchmarks/ scripts by bare name -> the scripts each one imports."""
+    paths = sorted([*(REPO / "validation").glob("*.py"), *(REPO / "benchmarks").glob("*.py")])
+    names = {p.stem for p in paths}
+    assert len(names) == len(paths), "two scripts of one name"
+    graph = {}
+    for path in paths:
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                found.add((node.module or "").split(".")[0])
+            elif isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+        graph[path.stem] = (found & names) - {path.stem}
+    return graph
+
+
+def test_no_import_cycle_in_the_scripts() -> None:
+    graph = script_graph()
+    assert "engine" in graph["gpu_phases"], "the graph must see the scripts' imports"
+    find_cycle(graph)
+
+
+def test_validation_phases_import_the_engine_not_each_other() -> None:
+    """fuzz and te_matrix plan their phase on the engine and the shared helpers below it (workdir,
+    run_matrix's release table); the driver above them (gpu_phases) puts the phases together."""
+    graph = script_graph()
+    phases = {"fuzz", "te_matrix", "gpu_phases", "core_gpt"}
+    for phase in ("fuzz", "te_matrix"):
+        assert not graph[phase] & phases, (phase, graph[phase])

@@ -39,9 +39,11 @@ import time
 import traceback
 import types
 
+import comparison
+import workdir
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-WORK = "/tmp/mfsdp_core_gpt"
 RELEASES = ("core-0.18.2", "core-0.19.2")
 
 # Small enough that a case is a few seconds of GPU work, with >= 3 symmetric FSDP units.
@@ -147,26 +149,24 @@ def run_case(c, res):
         mask = None
         if cpu:  # the local spec's softmax wants a mask (True = masked)
             mask = torch.ones(z["seq"], z["seq"], dtype=torch.bool, device=dev).triu(1)[None, None]
-        loss = ddp(ids, pos, mask, labels=labels)
-        return loss.float().mean()
+        loss = ddp(ids, pos, mask, labels=labels).float().mean()
+        step_losses.append(loss.detach())
+        return loss
 
     def grads():
         return torch.cat([g.main_grad_buffer.data.detach().float().reshape(-1)
                           for g in pgb.parameter_groups if g.main_grad_buffer is not None])
 
     truth = torch.load(c["truth"], map_location="cpu") if c.get("truth") else None
-    saved, cmp = [], {"diff_sq": 0.0, "ref_sq": 0.0, "max_abs": 0.0, "first_bad_step": None}
-    events = []
+    steps, step_losses, events = [], [], []  # steps: {"grads", "losses"} per step
 
     def finish_step(step, ev):
         if ev is not None:
             ev[1].record()
             events.append(ev)
         g = grads().cpu()
-        if c.get("save_grads"):
-            saved.append(g)
-        if truth is not None:
-            compare(step, g, truth[step], cmp)
+        steps.append({"grads": g, "losses": torch.stack(step_losses).cpu()})
+        step_losses.clear()
         if not torch.isfinite(g).all() and "nonfinite_step" not in res:
             res["nonfinite_step"] = step
         return g
@@ -208,24 +208,13 @@ def run_case(c, res):
     res["grad_numel"] = int(g.numel())
     res["grad_l2"] = float(g.double().norm())
     if c.get("save_grads"):
-        torch.save(saved, c["save_grads"])
+        torch.save(steps, c["save_grads"])
     if truth is not None:
-        res["max_abs"] = cmp["max_abs"]
-        res["rel_l2"] = (cmp["diff_sq"] ** 0.5 / cmp["ref_sq"] ** 0.5) if cmp["ref_sq"] else None
-        res["first_bad_step"] = cmp["first_bad_step"]
+        res["comparison"] = comparison.compare(steps, truth).to_dict()
+        res["max_abs"] = res["comparison"]["max_abs_diff"]
+        res["rel_l2"] = res["comparison"]["rel_l2"]
+        res["first_bad_step"] = res["comparison"]["first_bad_step"]
     res["shim_stats"] = dict(mods["shims"].STATS)
-
-
-def compare(step, g, t, cmp):
-    if t.shape != g.shape:
-        raise RuntimeError(f"truth shape {tuple(t.shape)} != grads {tuple(g.shape)}")
-    d = g - t
-    m = float(d.abs().max())
-    if m != 0.0 and cmp["first_bad_step"] is None:
-        cmp["first_bad_step"] = step
-    cmp["max_abs"] = max(cmp["max_abs"], m)
-    cmp["diff_sq"] += float(d.double().square().sum())
-    cmp["ref_sq"] += float(t.double().square().sum())
 
 
 def do_imports(c, res):
@@ -447,7 +436,7 @@ def make_cases(a, cpm):
                                   env=model_env.get(model, {})))
             for fix in ("none", "hotfix"):
                 variant = "shipped" if fix == "none" else "hotfix"
-                tpath = os.path.join(WORK, "truth", f"{rel}_{model}_{variant}.pt")
+                tpath = os.path.join(workdir.run_dir(), "truth", f"{rel}_{model}_{variant}.pt")
                 cases.append(dict(base, label=f"{tag}|{variant}|serialized", release=rel,
                                   model=model, fix=fix, apex_stub=True, save_grads=tpath,
                                   wave=0, variant=variant,
@@ -467,7 +456,7 @@ class Driver:
         self.rel_paths = rel_paths
         self.deadline = deadline
         for sub in ("cases", "truth"):
-            os.makedirs(os.path.join(WORK, sub), exist_ok=True)
+            os.makedirs(os.path.join(workdir.run_dir(), sub), exist_ok=True)
         self.truth_runs = {}
 
     def run(self, c):
@@ -481,8 +470,8 @@ class Driver:
             # still run it: where it stops is the result; nothing to compare with
             c = dict(c, truth=None, no_truth="the serialized run crashed or was skipped")
         name = c["label"].replace("|", "_")
-        cpath = os.path.join(WORK, "cases", name + ".case.json")
-        jout = os.path.join(WORK, "cases", name + ".json")
+        cpath = os.path.join(workdir.run_dir(), "cases", name + ".case.json")
+        jout = os.path.join(workdir.run_dir(), "cases", name + ".json")
         with open(cpath, "w") as f:
             json.dump(c, f)
         env = dict(os.environ)
@@ -540,7 +529,12 @@ def outcome(r):
     if res.get("crashed"):
         return "crash"
     if r.get("truth"):
-        return "exact" if res.get("max_abs") == 0.0 else "wrong"
+        if "comparison" in res:
+            return res["comparison"]["outcome"]
+        # recorded before the bit comparison: the values were compared, not the bits
+        largest = res.get("max_abs")
+        same_values = largest is not None and not largest and "nonfinite_step" not in res
+        return "equal values" if same_values else "wrong"
     if r.get("no_truth"):
         return "ran-no-truth"
     return "ok"
@@ -576,9 +570,11 @@ def summary(results):
 
 
 def report_table(path):
-    """Markdown table of a driver's JSON (``--report``): one row per case, as recorded."""
+    """Markdown table of a driver's JSON (``--report``): one row per case, as recorded; the
+    outcome is decided again from each case's record (older records compared values only)."""
     with open(path) as f:
         doc = json.load(f)
+    decided = {case["label"]: outcome(case) for case in doc.get("cases", [])}
     out = ["| release | model | variant | RS delay ms | run | outcome | rel. L2 vs serialized | "
            "stopped at | error |", "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["summary"]:
@@ -586,11 +582,16 @@ def report_table(path):
         err = (r["error"] or "").split("\n")[0][:90].replace("|", "/")
         model = r["model"] + ("" if r.get("db", True) else ", fsdp_double_buffer=False")
         out.append(f"| {r['release']} | {model} | {r['variant']} | {r['delay_ms']:g} | "
-                   f"{'serialized' if r['serialized'] else 'asynchronous'} | {r['outcome']} | "
+                   f"{'serialized' if r['serialized'] else 'asynchronous'} | "
+                   f"{decided.get(r['label'], r['outcome'])} | "
                    f"{rel} | {r['stopped_at'] or '–'} | {err or '–'} |")
-    pairs = doc.get("serialized_shipped_vs_hotfix_max_abs")
     out.append("")
-    out.append(f"Serialized shipped vs serialized hotfix, max abs difference: {pairs}")
+    if "serialized_shipped_vs_hotfix" in doc:
+        out.append("Serialized shipped vs serialized hotfix: "
+                   f"{doc['serialized_shipped_vs_hotfix']}")
+    else:  # recorded before the bit comparison
+        out.append("Serialized shipped vs serialized hotfix, max abs difference (values, bits "
+                   f"not compared): {doc.get('serialized_shipped_vs_hotfix_max_abs')}")
     return "\n".join(out)
 
 
@@ -603,9 +604,10 @@ def truth_pairs(results):
             continue
         other = r["save_grads"].replace("_shipped.pt", "_hotfix.pt")
         if os.path.exists(r["save_grads"]) and os.path.exists(other):
-            a, b = torch.load(r["save_grads"]), torch.load(other)
-            out[f"{r['release']}|{r['model']}"] = max(float((x - y).abs().max())
-                                                      for x, y in zip(a, b, strict=True))
+            both = comparison.compare(torch.load(r["save_grads"]), torch.load(other))
+            out[f"{r['release']}|{r['model']}"] = {
+                k: both.to_dict()[k] for k in ("outcome", "max_abs_diff", "steps_compared",
+                                               "tensors_compared")}
     return out
 
 
@@ -626,9 +628,9 @@ def driver_main(a):
     results = drv.run_all(cases)
     report["summary"] = summary(results)
     try:
-        report["serialized_shipped_vs_hotfix_max_abs"] = truth_pairs(results)
+        report["serialized_shipped_vs_hotfix"] = truth_pairs(results)
     except Exception as e:
-        report["serialized_shipped_vs_hotfix_max_abs"] = f"{type(e).__name__}: {e}"
+        report["serialized_shipped_vs_hotfix"] = f"{type(e).__name__}: {e}"
     report["cases"] = results
     report["wall_s"] = round(time.time() - t0, 1)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

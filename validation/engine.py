@@ -7,6 +7,8 @@ A *job* is one process: its environment fixes what is per process (release on ``
 its ``specs`` are ``harness.run_case`` specs. Worker mode (``engine.py --job FILE``) appends one
 JSON line per case to the job's result file and exits 3 when a case left the CUDA context
 unusable; the driver (:class:`Engine`) then records that case as a crash and re-queues the rest.
+Result files live in the run's own folder (``workdir.run_dir()``), records are matched to the
+job's cases by id, and a run that ends with a planned case unrecorded raises.
 
 The driver keeps at most ``limit()`` workers running, holds TE jobs until TransformerEngine is
 ready (``te_state``), respects a wall deadline (a job cut by it keeps the records it wrote; the
@@ -25,11 +27,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import comparison
 import run_matrix
+import workdir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-WORK = os.environ.get("MFSDP_VAL_WORK", "/tmp/mfsdp_val")
 # short name -> (wheel glob, import path), from the one release table (run_matrix.RELEASES)
 RELEASES = {name: (pattern, pkg) for name, pattern, pkg in run_matrix.RELEASES}
 TE_RC = "/tmp/te-setup.rc"
@@ -56,13 +59,28 @@ def job(name: str, release: str, variant: str, specs: list[dict[str, Any]], *,
     if sanitizer:
         env["TORCH_CUDA_SANITIZER"] = "1"
     if variant.endswith("-audit"):
-        env["MFSDP_HOTFIX_AUDIT"] = os.path.join(WORK, "audit", name.replace("/", "_"))
+        env["MFSDP_HOTFIX_AUDIT"] = os.path.join(workdir.run_dir(), "audit",
+                                                 name.replace("/", "_"))
     pkg = RELEASES[release][1]
     for s in specs:
         s.update(pkg=pkg, fix=fix, release=release, variant=variant, serialized=serialized,
                  sanitizer=sanitizer)
     return {"name": name, "release": release, "variant": variant, "serialized": serialized,
             "te": te, "sanitizer": sanitizer, "env": env, "specs": specs}
+
+
+def calibrate() -> dict[str, Any]:
+    """Cycles of ``torch.cuda._sleep`` per millisecond, measured with CUDA events (in a child
+    process, so that this driver holds no CUDA context)."""
+    code = (f"import json, sys, torch\nsys.path.insert(0, {HERE!r})\nimport run_matrix\n"
+            "out = run_matrix.calibrate()\n"
+            "out.update(gpu=torch.cuda.get_device_name(0), torch=torch.__version__)\n"
+            "print(json.dumps(out))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except Exception as e:
+        raise SystemExit(f"calibration failed: {e}: {r.stdout[-500:]} {r.stderr[-2000:]}") from None
 
 
 def te_state() -> str:
@@ -107,7 +125,8 @@ class Engine:
         self.limit = limit or (lambda: self.workers)
         self.log = log
         self.seq = 0
-        os.makedirs(os.path.join(WORK, "jobs"), exist_ok=True)
+        self.jobs_dir = os.path.join(workdir.run_dir(), "jobs")
+        os.makedirs(self.jobs_dir)  # a run's own: an existing one is an error
 
     # ---- one process
     def _env(self, j: dict[str, Any]) -> dict[str, str]:
@@ -133,7 +152,7 @@ class Engine:
 
     def _start(self, j: dict[str, Any]) -> dict[str, Any]:
         self.seq += 1
-        base = os.path.join(WORK, "jobs", f"{self.seq:04d}")
+        base = os.path.join(self.jobs_dir, f"{self.seq:04d}")
         for s in j["specs"]:
             s.setdefault("cycles_per_ms", self.cpm)
         with open(base + ".job.json", "w") as f:
@@ -146,26 +165,38 @@ class Engine:
 
     def _finish(self, r: dict[str, Any], killed: bool) -> tuple[list[dict[str, Any]],
                                                                 list[dict[str, Any]]]:
-        """Records of a finished job, and the specs still to run (re-queued)."""
+        """Records of a finished job, and the specs still to run (re-queued). Records are matched
+        to the job's specs by case id: a line of another case is an error, not a result."""
         r["log"].close()
         j, base = r["job"], r["base"]
-        recs = []
+        rc = r["proc"].returncode
+        specs = {s["id"]: s for s in j["specs"]}
+        recs, seen = [], set()
         if os.path.exists(base + ".jsonl"):
             with open(base + ".jsonl") as f:
                 for line in f:
-                    if line.strip():
-                        recs.append(json.loads(line))
-        rc = r["proc"].returncode
-        done = len(recs)
-        rest = j["specs"][done:]
+                    if not line.strip():
+                        continue
+                    rec = json.loads(line)
+                    if rec.get("id") not in specs or rec["id"] in seen:
+                        raise RuntimeError(f"{base}.jsonl: a record of case {rec.get('id')!r}, "
+                                           f"which job {j['name']} does not have to run (once)")
+                    seen.add(rec["id"])
+                    rec["job"] = {"name": j["name"], "seq": os.path.basename(base), "rc": rc,
+                                  "run": workdir.run_id()}
+                    recs.append(rec)
+        rest = [s for s in j["specs"] if s["id"] not in seen]
         tail = _tail(base + ".log")
-        for rec in recs:
-            rec["job"] = {"name": j["name"], "seq": os.path.basename(base), "rc": rc}
         if not rest:
             return recs, []
         if killed:
             for s in rest:
                 recs.append(_record(s, "not run: --budget-s reached before it started", j, base))
+            return recs, []
+        if rc == 0:  # a worker that finished its list wrote every case: this is a bug, say so
+            for s in rest:
+                recs.append(_record(s, "the worker exited 0 without this case's record", j, base,
+                                    crashed=True))
             return recs, []
         # the process died (or exited 3 after a fatal case) before finishing its list
         fatal_prev = recs and recs[-1].get("fatal")
@@ -178,6 +209,9 @@ class Engine:
     # ---- many
     def run(self, jobs: list[dict[str, Any]], on_records: Callable[[list[dict[str, Any]]], None]
             | None = None) -> list[dict[str, Any]]:
+        planned = [_case(s) for j in jobs for s in j["specs"]]
+        if len(set(planned)) != len(planned) or any(i is None for _, i in planned):
+            raise ValueError("every case of a run needs an id of its own in its phase")
         queue = deque(jobs)
         running: list[dict[str, Any]] = []
         out: list[dict[str, Any]] = []
@@ -237,18 +271,28 @@ class Engine:
                          f"{time.time() - r['t0']:.1f}s, {len(queue)} queued, "
                          f"{len(running)} running, {self.deadline - time.time():.0f}s left")
             time.sleep(0.2)
+        missing = set(planned) - {_case(r["spec"]) for r in out}
+        if missing or len(out) != len(planned):
+            raise RuntimeError(f"{len(planned)} cases planned, {len(out)} records; no record of "
+                               f"{sorted(missing)[:10]}")
         return out
+
+
+def _case(spec: dict[str, Any]) -> tuple[str, Any]:
+    """A case's identity in a run: its phase and its id (phases share ids, such as seeds)."""
+    return str(spec.get("phase")), spec.get("id")
 
 
 def _record(spec: dict[str, Any], why: str, j: dict[str, Any], base: str,
             crashed: bool = False) -> dict[str, Any]:
     rec: dict[str, Any] = {"id": spec.get("id"), "spec": spec, "crashed": crashed,
                            "error": why if crashed else None,
-                           "job": {"name": j["name"], "seq": os.path.basename(base)}}
+                           "job": {"name": j["name"], "seq": os.path.basename(base),
+                                   "run": workdir.run_id()}}
     if not crashed:
         rec["skipped"] = why
     elif (spec.get("truth") or {}).get("mode") == "compare":
-        rec["comparison"] = {"outcome": "crash", "max_abs_diff": None, "truth_crashed": None}
+        rec["comparison"] = comparison.not_compared("crash", truth_crashed=None)
     if crashed and (spec.get("truth") or {}).get("mode") == "save":
         try:
             with open(spec["truth"]["path"] + ".crash", "w") as f:

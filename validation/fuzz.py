@@ -26,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import engine  # noqa: E402
+from workdir import truth_path  # noqa: E402
 
 TE_FAMILIES = ("te-linear", "te-layernorm-linear", "te-layernorm-mlp")
 HIDDEN = 256
@@ -68,10 +69,6 @@ def draw(seed: int, te_share: float = 0.25) -> dict[str, Any]:
     faults["compute_phases"] = rng.choice((["fwd"], ["bwd"], ["fwd", "bwd"]))
     spec["faults"] = faults
     return spec
-
-
-def truth_path(phase: str, release: str, variant: str, key: str) -> str:
-    return os.path.join(engine.WORK, "truth", phase, release, variant, f"{key}.pt")
 
 
 def seed_specs(phase: str, release: str, variant: str, seed: int, spec: dict[str, Any]
@@ -137,7 +134,6 @@ def main() -> None:
         for s in a.seed:
             print(json.dumps({"seed": s, **draw(s, a.te_share)}, indent=1))
         return
-    import gpu_phases
     import run_matrix
 
     rel_paths = run_matrix.unpack_releases(a.wheels)
@@ -145,7 +141,7 @@ def main() -> None:
         os.environ["MFSDP_VAL_CPU"] = "1"
         cpm = 0.0
     else:
-        cpm = gpu_phases.calibrate()["cycles_per_ms"]
+        cpm = engine.calibrate()["cycles_per_ms"]
     te = engine.te_state() == "ready"
     jobs = plan([a.release], list(a.seed), te, phase="repro", block=len(a.seed),
                 te_share=a.te_share, db=not a.no_double_buffer)

@@ -3,7 +3,9 @@
 # setup.sh), then the phases.
 #   bash validation/gpu_call.sh [gpu_phases.py options] --phases smoke|fuzz|te|long|oracles ...
 # Needs validation/wheels (the release wheels) and, for real TE, .te (TE payload + setup.sh).
-# Writes under $OUT: <phase>.json.gz per phase and te-setup-tail.txt (at most 6 files).
+# Writes under $OUT: <phase>.json.gz per phase, console.txt (the driver's output) and
+# te-setup-tail.txt (the TE build's log tail, when TE was set up): at most 7 files. Each run's
+# work folder is its own (validation/workdir.py), so a machine kept warm mixes nothing.
 # All phases share one queue, in the order given (= priority when --budget-s runs out); while
 # TE is being built (~190 s, 4 workers) only emulated jobs run. Estimates from a first run's per-case
 # times (emulated ~0.5 s, TE ~2 s, ~12 s per worker process), 14 workers; not measurements:
@@ -23,8 +25,9 @@ elif [ -f /tmp/te-setup.started ] && [ ! -f /tmp/te-setup.rc ] && [ -f /tmp/te/s
   # a build started by an earlier run that was cut: attach to it
   ( TE_WAIT_S=500 bash /tmp/te/state/setup.sh --wait >> /tmp/te-setup.out 2>&1; echo $? > /tmp/te-setup.rc ) &
 fi
-python3 validation/gpu_phases.py --out "$OUT" "$@"
-rc=$?
+# the driver's console output comes back too (console.txt): commit it with the raw files
+python3 validation/gpu_phases.py --out "$OUT" "$@" 2>&1 | tee "$OUT/console.txt"
+rc=${PIPESTATUS[0]}
 if [ -f /tmp/te-setup.out ]; then
   { echo "te-setup rc: $(cat /tmp/te-setup.rc 2>/dev/null || echo running)"; tail -c 4000 /tmp/te-setup.out; } > "$OUT/te-setup-tail.txt"
 fi

@@ -2,7 +2,7 @@
 """The GPU validation phases, in one GPU run (see gpu_call.sh):
 
     python3 validation/gpu_phases.py --phases smoke|fuzz|te|long|oracles ... --out $OUT
-        [--budget-s 530] [--workers 12] [--seeds 0:100]
+        [--budget-s 530] [--workers 12] [--seeds LO:HI]
 
 Unpacks the release wheels of ``validation/wheels/``, calibrates ``torch.cuda._sleep`` (cycles per ms), plans the
 phases' jobs and runs them with :class:`engine.Engine` (at most ``--workers`` processes on the
@@ -17,7 +17,6 @@ import argparse
 import gzip
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -29,6 +28,7 @@ import engine  # noqa: E402
 import fuzz  # noqa: E402
 import run_matrix  # noqa: E402
 import te_matrix  # noqa: E402
+import workdir  # noqa: E402
 
 ALL = list(run_matrix.RELEASED)
 PHASES = ("smoke", "fuzz", "te", "long", "oracles", "maxpool", "nslot")
@@ -41,20 +41,6 @@ LONG_FAULTS = {"seed": 20, "budget_ms": 1500.0, "rs": {"p": 0.4, "max_ms": 10.0}
                "compute_units": [0, 2, 4], "compute_phases": ["fwd", "bwd"]}
 
 
-def calibrate() -> dict[str, Any]:
-    """Cycles of ``torch.cuda._sleep`` per millisecond, measured with CUDA events (in a child
-    process, so that this driver holds no CUDA context)."""
-    code = (f"import json, sys, torch\nsys.path.insert(0, {HERE!r})\nimport run_matrix\n"
-            "out = run_matrix.calibrate()\n"
-            "out.update(gpu=torch.cuda.get_device_name(0), torch=torch.__version__)\n"
-            "print(json.dumps(out))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    try:
-        return json.loads(r.stdout.strip().splitlines()[-1])
-    except Exception as e:
-        raise SystemExit(f"calibration failed: {e}: {r.stdout[-500:]} {r.stderr[-2000:]}") from None
-
-
 def long_jobs(releases: list[str], zeros: tuple[int, ...] = (2, 3), phase: str = "long"
               ) -> list[dict[str, Any]]:
     """20 optimizer steps x 4 microbatches, per release, variant and ZeRO: one serialized truth,
@@ -65,7 +51,7 @@ def long_jobs(releases: list[str], zeros: tuple[int, ...] = (2, 3), phase: str =
             truths, runs = [], []
             for zero in zeros:
                 key = f"{release}|long|z{zero}"
-                path = fuzz.truth_path(phase, release, variant, key.replace("|", "_"))
+                path = workdir.truth_path(phase, release, variant, key.replace("|", "_"))
                 base = dict(LONG, zero=zero, phase=phase, row=key)
                 truths.append(dict(base, id=f"{key}|{variant}|serialized",
                                    truth={"mode": "save", "path": path}))
@@ -96,7 +82,7 @@ def oracle_jobs(releases: list[str], seeds: list[int], te: bool, phase: str = "o
                 truths, runs, sans = [], [], []
                 for seed in picked:
                     spec = dict(fuzz.draw(seed), seed=seed, phase=phase, oracle_variant=variant)
-                    path = fuzz.truth_path(phase, release, variant, f"s{seed}")
+                    path = workdir.truth_path(phase, release, variant, f"s{seed}")
                     truths.append(dict(spec, id=f"{release}|s{seed}|{variant}|serialized",
                                        truth={"mode": "save", "path": path}))
                     runs.append(dict(spec, id=f"{release}|s{seed}|{variant}|audit", oracle="audit",
@@ -128,13 +114,26 @@ def smoke_jobs(te: bool, releases: list[str]) -> list[dict[str, Any]]:
     return jobs
 
 
+def seed_range(text: str) -> tuple[int, int]:
+    """``LO:HI`` (seeds LO to HI-1), for argparse."""
+    lo, sep, hi = text.partition(":")
+    try:
+        bounds = (int(lo), int(hi))
+    except ValueError:
+        bounds = (0, -1)
+    if not sep or not 0 <= bounds[0] < bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a range LO:HI of seeds with "
+                                         "0 <= LO < HI, such as 0:100")
+    return bounds
+
+
 def fuzz_emulated_seed() -> int:
     return next(s for s in range(1000) if fuzz.draw(s)["layer"] == "emulated")
 
 
 def phase_jobs(phase: str, a: argparse.Namespace, te: bool) -> list[dict[str, Any]]:
     releases = a.releases.split(",") if a.releases else ALL
-    lo, hi = (int(x) for x in a.seeds.split(":"))
+    lo, hi = a.seeds
     if phase == "smoke":
         return smoke_jobs(te, releases)
     if phase == "fuzz":
@@ -237,7 +236,9 @@ def main() -> None:
                     help="workers while TransformerEngine is being built")
     ap.add_argument("--budget-s", type=float, default=530.0,
                     help="wall seconds for all phases, from the driver's start")
-    ap.add_argument("--seeds", default="0:100")
+    ap.add_argument("--seeds", default="0:100", type=seed_range, metavar="LO:HI",
+                    help="fuzz seeds LO to HI-1 (default 0:100); oracles take "
+                         "--oracle-seeds of them from LO")
     ap.add_argument("--oracle-seeds", type=int, default=6)
     ap.add_argument("--block", type=int, default=50, help="fuzz seeds per worker process")
     ap.add_argument("--te-layers", type=int, default=len(te_matrix.LAYERS),
@@ -266,7 +267,7 @@ def main() -> None:
         os.environ["MFSDP_VAL_CPU"] = "1"
         cal: dict[str, Any] = {"cycles_per_ms": 0.0, "gpu": "cpu (test mode)"}
     else:
-        cal = calibrate()
+        cal = engine.calibrate()
     print(json.dumps({"calibration": cal["cycles_per_ms"], "gpu": cal.get("gpu"),
                       "releases": sorted(rel_paths), "te": engine.te_state()}), flush=True)
     deadline = t0 + a.budget_s
@@ -287,7 +288,8 @@ def main() -> None:
         jobs += pj
         outputs[phase] = Output(a.out, phase, {
             "calibration": cal, "te_state_at_start": engine.te_state(), "workers": a.workers,
-            "argv": sys.argv, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())})
+            "argv": sys.argv, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "run": workdir.run_id()})
         print(f"== phase {phase}: {len(pj)} jobs, {sum(len(j['specs']) for j in pj)} cases",
               flush=True)
     by_phase: dict[str, list[dict[str, Any]]] = {p: [] for p in a.phases}
@@ -301,7 +303,11 @@ def main() -> None:
             outputs[phase].doc["phase_wall_s"] = round(time.time() - started, 1)
 
     eng = engine.Engine(rel_paths, a.workers, deadline, cal["cycles_per_ms"], limit)
-    leftovers = eng.run(jobs, on_records=route)
+    try:
+        leftovers = eng.run(jobs, on_records=route)
+    finally:  # the engine raises when a planned case has no record: keep what came in
+        for output in outputs.values():
+            output.write()
     routed = {id(r) for rs in by_phase.values() for r in rs}
     route([r for r in leftovers if id(r) not in routed])  # records of jobs never started
     for phase in a.phases:

@@ -8,8 +8,9 @@ RAW defaults to ``docs/validation/gpu-*.json.gz``. ``--write`` writes
 ``te-summary.json`` (``{release, layer, fuse, zero, delay_ms, dtype, variant, te_version,
 outcome, rel_l2}`` plus the audit's counts and ``delay_wgrad``), ``long-summary.json`` and
 ``oracles-summary.json``. Outcomes: ``exact`` = every gradient, loss and parameter bit-identical
-to the serialized run of the same variant; ``wrong`` = it ran and something differs; ``crash`` =
-the run or its serialized run raised. Cases a call did not reach are left out (and counted).
+to the serialized run of the same variant (mfsdp_hotfix/compare.py); ``wrong`` = it ran and
+something differs; ``crash`` = the run or its serialized run raised; ``unsupported`` = the harness
+refused a configuration the release cannot run, before the first step. Cases a call did not reach are left out (and counted).
 Nothing is recomputed: every number is copied from a case record written on the GPU.
 """
 
@@ -28,6 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = os.path.join(os.path.dirname(HERE), "docs", "validation")
 RELS = ["fsdp-0.4.0", "fsdp-0.5.1", "fsdp-0.6.1", "core-0.18.2", "core-0.19.2"]
 FUZZ_KEYS = ("release", "seed", "variant", "outcome", "max_abs_diff")
+# the harness's refusal of a configuration the release cannot run (te_layers.UnsupportedByRelease)
+UNSUPPORTED = "not supported by this release"
 TE_KEYS = ("release", "layer", "fuse", "zero", "delay_ms", "dtype", "variant", "te_version",
            "outcome", "rel_l2")
 
@@ -56,14 +59,20 @@ def load(paths: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 def outcome(rec: dict[str, Any]) -> str | None:
-    """exact | wrong | crash; None when the case did not run (or is not a comparison)."""
+    """exact | wrong | crash | unsupported; None when the case did not run (or is not a
+    comparison). Records written before the harness flagged refusals carry the refusal as their
+    error; an old record that claims exact with non-finite gradients is wrong."""
     if rec.get("skipped"):
         return None
     c = rec.get("comparison")
+    if rec.get("unsupported") or UNSUPPORTED in (rec.get("error") or ""):
+        return "unsupported"
     if rec.get("crashed") or (c or {}).get("outcome") == "crash":
         return "crash"
     if c is None:
         return None
+    if c.get("outcome") == "exact" and rec.get("nonfinite_grads"):
+        return "wrong"
     return c.get("outcome")
 
 
@@ -122,7 +131,8 @@ def te_summary(recs: list[dict[str, Any]], smoke: bool = False, phase: str = "te
                     "delay_wgrad": bool(s.get("delay_wgrad")),
                     "audit_reuses": audit.get("reuses"), "audit_unordered": audit.get("unordered"),
                     "audit_unseen": audit.get("unseen"), "audit_crash": audit.get("crash"),
-                    "error": (r.get("error") or "")[:200] if o == "crash" else None})
+                    "error": (r.get("error") or "")[:200] if o in ("crash", "unsupported")
+                    else None})
     return sorted(out, key=lambda d: (_rel_index(d["release"]), d["layer"], d["delay_wgrad"],
                                       not d["fuse"], d["zero"], d["dtype"], d["variant"],
                                       d["delay_ms"]))
@@ -142,7 +152,8 @@ def long_summary(recs: list[dict[str, Any]], smoke: bool = False) -> list[dict[s
                     "losses_exact": c.get("losses_exact"), "params_exact": c.get("params_exact"),
                     "max_abs_diff": _num(c, "max_abs_diff", o),
                     "delays": (r.get("faults") or {}).get("delayed"),
-                    "error": (r.get("error") or "")[:200] if o == "crash" else None})
+                    "error": (r.get("error") or "")[:200] if o in ("crash", "unsupported")
+                    else None})
     return sorted(out, key=lambda d: (_rel_index(d["release"]), d["zero"], d["variant"],
                                       d["fault"]))
 
@@ -252,6 +263,8 @@ def _cell(o: str | None, value: float | None, error: str | None = None) -> str:
         return "0 (bit-identical)"
     if o == "crash":
         return "**crash**" + (f": {error.split('|')[0][:50]}" if error else "")
+    if o == "unsupported":
+        return "unsupported by the release"
     return f"**{_fmt(value)}**"
 
 

@@ -42,7 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-import schedule_faults  # noqa: E402  (no torch at import)
+import comparison  # noqa: E402  (no torch at import)
+import schedule_faults  # noqa: E402
 
 DEFAULTS: dict[str, Any] = dict(
     pkg="megatron_fsdp", fix="none", pg="nccl_sem", layer="emulated", fuse=True,
@@ -181,7 +182,9 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     except BaseException as e:  # a crash of the release is a result, not a harness failure
         if isinstance(e, KeyboardInterrupt):
             raise
-        res["crashed"] = True
+        # a configuration the release cannot run is refused before the first step: no crash
+        res["unsupported"] = bool(getattr(e, "unsupported", False))
+        res["crashed"] = not res["unsupported"]
         msg = str(e).strip().splitlines()
         res["error_type"] = type(e).__name__
         res["error"] = f"{type(e).__name__}: {' | '.join(msg[:3])[:600]}"
@@ -193,8 +196,8 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         if proc is not None:
             res["fatal"] = _cleanup(proc) or _looks_fatal(res.get("error") or "")
     if s["truth"] and s["truth"].get("mode") == "compare" and "comparison" not in res:
-        res["comparison"] = {"outcome": "crash", "max_abs_diff": None,
-                             "truth_crashed": None}
+        res["comparison"] = comparison.not_compared(
+            "unsupported" if res.get("unsupported") else "crash", truth_crashed=None)
     res["wall_s"] = round(time.time() - res["t_start"], 3)
     return res
 
@@ -341,9 +344,9 @@ def _run(proc: Process, s: dict[str, Any], res: dict[str, Any]) -> None:
     elif truth.get("mode") == "compare":
         ref = load_truth(torch, truth["path"], float(s["truth_wait_s"]))
         if ref is None:
-            res["comparison"] = {"outcome": "crash", "max_abs_diff": None, "truth_crashed": True}
+            res["comparison"] = comparison.not_compared("crash", truth_crashed=True)
         else:
-            res["comparison"] = compare(torch, run, ref)
+            res["comparison"] = compare(run, ref)
             if truth.get("delete"):
                 _remove(truth["path"])
     del model, module, opt, grads, losses
@@ -500,10 +503,7 @@ def load_truth(torch: Any, path: str, wait_s: float) -> dict[str, Any] | None:
         if os.path.exists(path + ".crash") or time.time() > deadline:
             return None
         time.sleep(0.2)
-    ref = torch.load(path, map_location="cpu")
-    if isinstance(ref, list):  # a grads-only file
-        ref = {"grads": ref, "losses": None, "params": None}
-    return ref
+    return dict(torch.load(path, map_location="cpu"))
 
 
 def _bits(t: Any) -> Any:
@@ -513,44 +513,24 @@ def _bits(t: Any) -> Any:
     return t.view(torch.int32)
 
 
-def same_bits(a: Any, b: Any) -> bool:
-    return a is not None and b is not None and a.shape == b.shape and bool(
-        (_bits(a) == _bits(b)).all())
-
-
-def compare(torch: Any, run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-    """exact: every step's gradients, every loss and the final parameters have the same bits as
-    the serialized run's; wrong otherwise. max_abs_diff / rel_l2 over the gradients of all steps
-    (and, when present, the final parameters)."""
-    max_abs, diff_sq, ref_sq, first_bad = 0.0, 0.0, 0.0, None
-    exact = len(run["grads"]) == len(ref["grads"])
-    for step, (g, t) in enumerate(zip(run["grads"], ref["grads"], strict=False)):
-        if g.shape != t.shape:
-            raise RuntimeError(f"truth shape {tuple(t.shape)} != grads {tuple(g.shape)}")
-        if not same_bits(g, t):
-            exact = False
-            first_bad = step if first_bad is None else first_bad
-        d = (g.double() - t.double())
-        max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
-        diff_sq += float(d.square().sum())
-        ref_sq += float(t.double().square().sum())
-    out: dict[str, Any] = {"steps_compared": min(len(run["grads"]), len(ref["grads"])),
-                           "first_bad_step": first_bad}
-    if ref.get("losses") is not None and run.get("losses") is not None:
-        out["losses_exact"] = same_bits(run["losses"], ref["losses"])
-        exact = exact and out["losses_exact"]
-    if ref.get("params") is not None and run.get("params") is not None:
-        out["params_exact"] = same_bits(run["params"], ref["params"])
-        exact = exact and out["params_exact"]
-        d = run["params"].double() - ref["params"].double()
-        out["params_max_abs_diff"] = float(d.abs().max()) if d.numel() else 0.0
-    if max_abs != max_abs:  # NaN
-        exact = False
-    out["outcome"] = "exact" if exact else "wrong"
-    out["max_abs_diff"] = max_abs
-    out["rel_l2"] = (diff_sq ** 0.5) / (ref_sq ** 0.5) if ref_sq > 0 else (
-        0.0 if diff_sq == 0 else float("inf"))
+def compare(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """The run against its serialized truth with the package's comparison: each step's gradients;
+    the last step also carries the losses of every step and the final parameters. Adds
+    ``losses_exact`` / ``params_exact`` (bit-identical or not) to its record."""
+    result = comparison.compare(_steps(run), _steps(ref))
+    out: dict[str, Any] = result.to_dict()
+    for name in ("losses", "params"):
+        if run.get(name) is not None or ref.get(name) is not None:
+            out[f"{name}_exact"] = name not in result.differing
     return out
+
+
+def _steps(run: dict[str, Any]) -> list[dict[str, Any]]:
+    steps: list[dict[str, Any]] = [{"grads": g} for g in run["grads"]]
+    if steps:
+        steps[-1].update({name: run[name] for name in ("losses", "params")
+                          if run.get(name) is not None})
+    return steps
 
 
 def digest(run: dict[str, Any]) -> str:

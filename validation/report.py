@@ -53,10 +53,18 @@ def cell(c):
         err = r.get("error") or ""
         return "**crash**: " + (err.split("|")[0][:60])
     rel, mx = r.get("rel_l2"), r.get("max_abs")
-    if rel is None:
+    verdict = r.get("comparison")  # mfsdp_hotfix/compare.py's, in newer records
+    if verdict is not None:
+        if verdict["outcome"] == "exact":
+            return "0 (bit-identical)"
+        if rel is None:
+            return "**wrong**: " + (verdict.get("not_exact_because") or ["?"])[0][:60]
+    elif rel is None:
         return "ran (no comparison)"
-    if rel == 0 and mx == 0:
-        return "0 (bit-identical)"
+    elif not rel and not mx:
+        # recorded before the bit comparison: no difference in value (a NaN or Inf would have
+        # made rel_l2 NaN), so only a sign of zero could differ unseen
+        return "0 (equal values)"
     return f"**{rel:.3g}** ({mx:.2g})"
 
 

@@ -25,9 +25,10 @@ import sys
 import time
 import zipfile
 
+import workdir
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-WORK = os.environ.get("MFSDP_VAL_WORK", "/tmp/mfsdp_val")
 
 CORE_PKG = "megatron.core.distributed.fsdp.src.megatron_fsdp"
 RELEASES = [  # (short name, wheel glob, import path)
@@ -65,7 +66,7 @@ def unpack_releases(wheel_dir):
         found = sorted(glob.glob(os.path.join(wheel_dir, pattern)))
         if not found:
             continue
-        dest = os.path.join(WORK, "rel", name)
+        dest = os.path.join(workdir.PARENT, "rel", name)  # shared by runs: wheels never change
         if not os.path.exists(os.path.join(dest, ".done")):
             os.makedirs(dest, exist_ok=True)
             with zipfile.ZipFile(found[0]) as z:
@@ -124,8 +125,8 @@ class Runner:
         self.workers = workers
         self.deadline = time.time() + budget_s
         self.case_timeout = case_timeout
-        os.makedirs(os.path.join(WORK, "cases"), exist_ok=True)
-        os.makedirs(os.path.join(WORK, "truth"), exist_ok=True)
+        os.makedirs(os.path.join(workdir.run_dir(), "cases"), exist_ok=True)
+        os.makedirs(os.path.join(workdir.run_dir(), "truth"), exist_ok=True)
 
     def run_case(self, c):
         if time.time() > self.deadline:
@@ -137,7 +138,7 @@ class Runner:
         if c["harness"].get("truth") and not os.path.exists(c["harness"]["truth"]):
             return dict(c, skipped="no truth file (truth run crashed or was skipped)")
         name = c["label"].replace("|", "_").replace(":", "-").replace("+", "p")
-        jout = os.path.join(WORK, "cases", name + ".json")
+        jout = os.path.join(workdir.run_dir(), "cases", name + ".json")
         args = [sys.executable, os.path.join(HERE, "harness.py"), "--pkg", REL[c["release"]][2],
                 "--out", jout, "--label", c["label"], "--cycles-per-ms", str(self.cpm)]
         for k, v in c["harness"].items():
@@ -238,7 +239,7 @@ def audited(case):
     shipped = c["harness"]["fix"] == "none"
     c["harness"]["fix"] = "hotfix"
     name = c["label"].replace("|", "_").replace(":", "-").replace("+", "p")
-    c["env"] = dict(c.get("env", {}), MFSDP_HOTFIX_AUDIT=os.path.join(WORK, "audit", name))
+    c["env"] = dict(c.get("env", {}), MFSDP_HOTFIX_AUDIT=os.path.join(workdir.run_dir(), "audit", name))
     if shipped:
         c["env"]["MFSDP_HOTFIX"] = "0"
     c["variant"] += "+audit"
@@ -322,7 +323,7 @@ def correctness_cases(releases, zero, norm, head, pg, variants, delays, size, ta
     for rel in releases:
         for v in variants:
             db, fix = VARIANTS[v]
-            tpath = os.path.join(WORK, "truth", f"{rel}_z{zero}_n{norm}_h{head}_{v}.pt")
+            tpath = os.path.join(workdir.run_dir(), "truth", f"{rel}_z{zero}_n{norm}_h{head}_{v}.pt")
             base = dict(size, zero=zero, db=db, fix=fix, norm=norm, head=head)
             cases.append(dict(
                 label=f"{rel}|z{zero}|{'norm' if norm else 'fused'}{'+head' if head else ''}|truth:{v}",

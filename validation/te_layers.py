@@ -126,6 +126,13 @@ def run_backward_dw(unit: Any) -> None:
         hook()
 
 
+class UnsupportedByRelease(RuntimeError):
+    """A configuration the release cannot run: the case's outcome is ``unsupported``, not a
+    crash (the harness reads ``unsupported``)."""
+
+    unsupported = True
+
+
 def attach_delay_wgrad_hooks(module: Any, buffer: Any) -> dict[str, int]:
     """Give each unit the ``post_wgrad_grad_acc_hook``s Megatron-FSDP registered for its marked
     parameters. They sit on the parameters the buffer holds (``module.parameters()`` are the
@@ -146,7 +153,7 @@ def attach_delay_wgrad_hooks(module: Any, buffer: Any) -> dict[str, int]:
             unit.dw_hooks.append(hook)
             hooked += 1
     if not hooked or hooked != marked:
-        raise RuntimeError(f"delay_wgrad_compute: {marked} parameters marked "
+        raise UnsupportedByRelease(f"delay_wgrad_compute: {marked} parameters marked "
                            f"skip_backward_post_hook after wrapping, {hooked} with Megatron-FSDP's "
                            "post_wgrad_grad_acc_hook: not supported by this release")
     return {"marked": marked, "hooked": hooked}

@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import engine  # noqa: E402
-from fuzz import truth_path  # noqa: E402
+from workdir import truth_path  # noqa: E402
 
 # (layer, fuse, delay_wgrad), most important first
 LAYERS = [("te-linear", True, False), ("te-linear", False, False),

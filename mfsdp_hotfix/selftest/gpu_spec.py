@@ -78,7 +78,10 @@ class GpuRunResult:
     traceback: str | None = None
     compared: bool = False  # the grads were compared with the serialized run's
     exact: bool | None = None  # bit-identical to the serialized run (None: not compared)
-    max_abs: float | None = None
+    steps_compared: int = 0  # fewest steps compared on a rank
+    tensors_compared: int = 0  # over steps and ranks
+    not_exact_because: list[str] = field(default_factory=list)
+    max_abs: float | None = None  # None: not compared, or a difference is not finite
     rel_l2: float | None = None
     reports: int = 0  # rank reports found
     audit_state: str | None = None  # "on", why it was disabled, or None: no rank file
@@ -137,11 +140,16 @@ def merge(run: GpuRun, reports: list[dict[str, Any] | None],
     result.compared = bool(present) and len(compared) == len(present)
     if result.compared:
         result.exact = all(bool(r["exact"]) for r in compared)
-        result.max_abs = max(float(r["max_abs"]) for r in compared)
-        diff = sum(float(r["diff_sq"]) for r in compared)
-        ref = sum(float(r["ref_sq"]) for r in compared)
-        result.rel_l2 = (diff ** 0.5) / (ref ** 0.5) if ref > 0 else (0.0 if diff == 0
-                                                                       else float("inf"))
+        result.steps_compared = min(int(r.get("steps_compared", 0)) for r in compared)
+        result.tensors_compared = sum(int(r.get("tensors_compared", 0)) for r in compared)
+        result.not_exact_because = [why for r in compared
+                                    for why in r.get("not_exact_because") or []]
+        if all(r.get("max_abs") is not None for r in compared):  # None: a difference not finite
+            result.max_abs = max(float(r["max_abs"]) for r in compared)
+            diff = sum(float(r["diff_sq"]) for r in compared)
+            ref = sum(float(r["ref_sq"]) for r in compared)
+            result.rel_l2 = (diff ** 0.5) / (ref ** 0.5) if ref > 0 else (
+                0.0 if diff == 0 else float("inf"))
     first = present[0] if present else {}
     result.release = dict(first.get("release") or {})
     result.te_version = first.get("te_version")

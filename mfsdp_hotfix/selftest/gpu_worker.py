@@ -26,6 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from mfsdp_hotfix.compare import compare
 from mfsdp_hotfix.selftest.gpu_spec import DTYPES, ZERO_STRATEGY, GpuRun
 from mfsdp_hotfix.selftest.worker import STANDALONE, VENDORED, _release_info, resolve_flavour, wrap
 
@@ -45,51 +46,30 @@ def audit_prefix(out_dir: str, run: GpuRun) -> str:
     return str(Path(out_dir) / f"{run.key}-audit")
 
 
-def local_grads(model: Any) -> list[Any]:
+def local_grads(model: Any) -> dict[str, Any]:
     """This rank's gradient shards after ``finish_grad_sync``, by parameter name, cloned on the
     GPU (a parameter whose shard is empty on this rank contributes an empty tensor)."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    out = []
-    for _, param in sorted(model.module.named_parameters()):
+    out = {}
+    for name, param in sorted(model.module.named_parameters()):
         grad = param.grad
         if grad is None:
-            out.append(torch.empty(0, device=param.device))
+            out[name] = torch.empty(0, device=param.device)
             continue
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        out.append(local.detach().clone())
+        out[name] = local.detach().clone()
     return out
 
 
-def compare(got: list[list[Any]], want: list[list[Any]]) -> dict[str, Any]:
-    """Bit-identical or not, max |difference| and squared L2 norms (float64), over all steps."""
-    import torch
-
-    if len(got) != len(want) or any(len(g) != len(w) for g, w in zip(got, want, strict=False)):
-        return {"compared": True, "exact": False, "max_abs": float("inf"),
-                "diff_sq": float("inf"), "ref_sq": 1.0, "mismatch": "different steps/params"}
-    exact, max_abs, diff_sq, ref_sq = True, 0.0, 0.0, 0.0
-    for step_got, step_want in zip(got, want, strict=True):
-        for g, w in zip(step_got, step_want, strict=True):
-            if g.shape != w.shape or g.dtype != w.dtype:
-                return {"compared": True, "exact": False, "max_abs": float("inf"),
-                        "diff_sq": float("inf"), "ref_sq": 1.0,
-                        "mismatch": f"shape {tuple(g.shape)} vs {tuple(w.shape)}"}
-            same = torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8))
-            exact = exact and same
-            if same or g.numel() == 0:
-                ref_sq += float(w.double().square().sum())
-                continue
-            diff = (g.double() - w.double())
-            worst = float(diff.abs().max())
-            max_abs = max(max_abs, worst if worst == worst else float("inf"))  # NaN: inf
-            diff_sq += float(diff.square().sum())
-            ref_sq += float(w.double().square().sum())
-    if diff_sq != diff_sq:  # NaN in the difference
-        diff_sq = float("inf")
-    return {"compared": True, "exact": exact, "max_abs": max_abs, "diff_sq": diff_sq,
-            "ref_sq": ref_sq}
+def compared(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rank report's comparison keys (``merge`` sums the squared norms over ranks)."""
+    result = compare(got, want)
+    return {"compared": True, "exact": result.exact, "max_abs": result.max_abs,
+            "diff_sq": result.diff_sq, "ref_sq": result.ref_sq, "steps_compared": result.steps,
+            "tensors_compared": result.tensors, "not_exact_because": result.to_dict()[
+                "not_exact_because"]}
 
 
 def run_rank(run: GpuRun, out_dir: str, report: dict[str, Any]) -> None:
@@ -148,12 +128,12 @@ def run_rank(run: GpuRun, out_dir: str, report: dict[str, Any]) -> None:
         kept.append(local_grads(model))
     torch.cuda.synchronize()
     report["train_s"] = time.perf_counter() - started
-    grads = [[g.cpu() for g in step] for step in kept]
+    grads = [{name: g.cpu() for name, g in step.items()} for step in kept]
     truth = truth_file(out_dir, run, rank)
     if run.serialized:
         torch.save(grads, truth)
     elif truth.exists():
-        report.update(compare(grads, torch.load(truth)))
+        report.update(compared(grads, torch.load(truth)))
     report["crashed"] = False
 
 

@@ -133,6 +133,7 @@ def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int]
         missing = [i for i, r in enumerate(reports) if r is None]
         result.exception = f"rank(s) {missing} reported nothing (exit codes {codes})"
     rank0 = reports[0] or {}
+    result.grads_compared = int(rank0.get("grads_compared") or 0)
     result.max_abs_grad_error = rank0.get("max_abs_grad_error")
     result.max_rel_grad_error = rank0.get("max_rel_grad_error")
     result.grad_digest = rank0.get("grad_digest")

@@ -118,7 +118,8 @@ class CaseResult:
     crashed: bool = True
     exception: str | None = None
     traceback: str | None = None
-    max_abs_grad_error: float | None = None
+    grads_compared: int = 0  # gradient tensors rank 0 compared with the reference, all iterations
+    max_abs_grad_error: float | None = None  # None: crashed, or nothing compared
     max_rel_grad_error: float | None = None
     grad_digest: str | None = None
     worst_grads: dict[str, float] = field(default_factory=dict)

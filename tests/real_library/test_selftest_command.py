@@ -20,6 +20,7 @@ def test_before_after_on_an_era_a_release() -> None:
     assert (before_name, after_name) == ("without hotfix", "with hotfix")
     assert before.crashed and "No buffer found" in (before.exception or ""), describe(before)
     assert not after.crashed and after.max_abs_grad_error == 0.0, describe(after)
+    assert after.grads_compared > 0, describe(after)  # a match means something was compared
     assert after.ordering_violations == 0, describe(after)
     text = out.getvalue()
     assert "selftest: running without hotfix" in text and "selftest: running with hotfix" in text

@@ -302,21 +302,25 @@ def test_calibration_math() -> None:
 
 
 def test_gradient_comparison() -> None:
+    """The rank report's keys from mfsdp_hotfix.compare (every case of it: tests/test_compare.py):
+    merged over ranks, a NaN leaves no max |difference| and makes the run wrong."""
     import torch
 
-    from mfsdp_hotfix.selftest.gpu_worker import compare
+    from mfsdp_hotfix.selftest.gpu_worker import compared
 
-    a = [[torch.tensor([1.0, 2.0]), torch.empty(0)]]
-    assert compare(a, [[t.clone() for t in a[0]]])["exact"] is True
-    off = compare([[torch.tensor([1.0, 3.0]), torch.empty(0)]], a)
+    a = [{"w": torch.tensor([1.0, 2.0]), "empty": torch.empty(0)}]
+    same = compared(a, [{k: t.clone() for k, t in a[0].items()}])
+    assert (same["exact"], same["steps_compared"], same["tensors_compared"]) == (True, 1, 2)
+    off = compared([{"w": torch.tensor([1.0, 3.0]), "empty": torch.empty(0)}], a)
     assert (off["exact"], off["max_abs"], off["diff_sq"], off["ref_sq"]) == (False, 1.0, 1.0, 5.0)
-    nan = compare([[torch.tensor([1.0, float("nan")]), torch.empty(0)]], a)
-    assert nan["exact"] is False and nan["max_abs"] == math.inf and nan["diff_sq"] == math.inf
-    assert compare([[torch.zeros(3)]], [[torch.zeros(2)]])["exact"] is False
-    assert compare([[torch.zeros(2, dtype=torch.bfloat16)]],
-                   [[torch.zeros(2, dtype=torch.bfloat16)]])["exact"] is True
-    neg = compare([[torch.tensor([-0.0])]], [[torch.tensor([0.0])]])
-    assert neg["exact"] is False  # bit for bit, not numerically
+    nan = compared([{"w": torch.tensor([1.0, float("nan")]), "empty": torch.empty(0)}], a)
+    assert nan["exact"] is False and nan["max_abs"] is None and nan["diff_sq"] is None
+    merged = merge(RUNS["hotfix"], [_report(**nan), dict(_report(**same), rank=1)], [], [0, 0],
+                   False)
+    assert merged.outcome() == "wrong" and merged.max_abs is None and merged.rel_l2 is None
+    assert merged.tensors_compared == 4 and merged.not_exact_because == [
+        "step 0: w: 1 NaN in the run", "step 0: w: 1 of 2 elements differ in their bits"]
+    assert compared([], [])["exact"] is False  # nothing compared is not exact
 
 
 def test_emulated_model_on_a_device_is_the_cpu_model() -> None:
