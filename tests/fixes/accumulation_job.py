@@ -5,8 +5,9 @@ microbatch but the last, then ``finish_grad_sync()``.
 Run as ``python accumulation_job.py CONFIG_JSON RANK WORLD STORE OUT`` with the release first on
 ``PYTHONPATH`` and the repository after it; ``MFSDP_HOTFIX=0`` in the environment runs the
 release as shipped. ``CONFIG_JSON``: ``strategy``, ``microbatches``, ``linear`` ("emulated":
-fused wgrad with TransformerEngine's contract; "unfused": plain autograd), ``iterations``; ``auto_sync`` true: fully_shard's default instead (gradients synchronised after
-every microbatch, no ``no_sync()``).
+fused wgrad with TransformerEngine's contract; "unfused": plain autograd), ``iterations``;
+``auto_sync`` true: fully_shard's default instead (gradients synchronised after every
+microbatch, no ``no_sync()``).
 Writes ``OUT/rank<R>.json``: rank 0 adds the comparison (``mfsdp_hotfix.compare``) of the full
 gradients with plain PyTorch, and every rank the ``overwrite_main_grad`` values its parameters
 carried in the last backward, and what the hotfix reports for the copy.
@@ -29,10 +30,9 @@ def run(config: dict[str, Any], rank: int, world: int, store_path: str) -> dict[
     from mfsdp_hotfix.selftest import cuda_standin
 
     cuda_standin.install()
+    import megatron_fsdp  # noqa: F401  (the hooks patch it here)
     import torch
     import torch.distributed as dist
-
-    import megatron_fsdp  # noqa: F401  (the hooks patch it here)
     from megatron_fsdp import fully_shard
 
     from mfsdp_hotfix.compare import compare
