@@ -304,7 +304,9 @@ ZERO1_ACCUMULATE = Fix(
     "megatron-fsdp 0.6.1)",
     gate=OVERWRITE_SETTER,
 )
-FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD, ZERO1_ACCUMULATE)
+# The double buffer's fixes (the eras); ZERO1_ACCUMULATE repairs a release defect outside it.
+DOUBLE_BUFFER_FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
+FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
 
 
