@@ -68,7 +68,8 @@ def test_switched_off_says_off_everywhere(fsdp_release) -> None:
     _, data = status(fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"})
     assert data["hotfix"] == "off"
     assert {k: fix["state"] for k, fix in data["copies"][0]["fixes"].items()} == {
-        "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed", "zero1-accumulate": "off"}
+        "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed",
+        "zero1-accumulate": "off"}
     proc = run_python("", fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"},
                       args=("-m", "mfsdp_hotfix", "status"))
     assert "hotfix: off" in proc.stdout and "would apply" not in proc.stdout
