@@ -44,7 +44,8 @@ def test_each_snapshot_gets_the_era_of_its_code(name: str, tmp_path: Path) -> No
     found = _detect(_built(name, tmp_path), snapshot.copy)
     assert not found.refused, found.reason
     assert found.era is not None and found.era.name == snapshot.era
-    assert tuple(fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix)) == snapshot.fixes
+    needed = tuple(fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix))
+    assert needed == snapshot.fixes
     assert found.version == snapshot.label and not found.verified_release
     assert found.reason == f"era {snapshot.era} by code shape"
     kind = found.label_kind
