@@ -282,6 +282,15 @@ def _copy_lines(copy: dict[str, Any]) -> list[str]:
         lines.append(f"    note: {note}")
     for fix, state in copy["fixes"].items():
         lines.append(f"    {fix}: {state['state']} ({state['reason']})")
+    for defect in copy.get("release_defects", []):
+        lines += [f"    release defect {defect['name']}: "
+                  + ("repaired by " if defect["repaired"] else "NOT repaired, ")
+                  + f"{defect['fix']} {defect['fix_state']}",
+                  f"      when: {defect['configuration']}",
+                  f"      symptom: {defect['symptom']}",
+                  "      without the fix: " + "; or ".join(defect["workarounds"]),
+                  f"      upstream fix: {defect['upstream']}",
+                  f"      not covered: {defect['not_covered']}"]
     return lines
 
 

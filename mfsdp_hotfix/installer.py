@@ -37,12 +37,16 @@ log = logging.getLogger("mfsdp_hotfix")
 # Which fix module patches which of a copy's two modules.
 _FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
                registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module"),
-               registry.MISSED_POST_BACKWARD.id: ("missed_post_backward", "model_module")}
+               registry.MISSED_POST_BACKWARD.id: ("missed_post_backward", "model_module"),
+               registry.ZERO1_ACCUMULATE.id: ("zero1_accumulate", "model_module")}
 _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains before it "
                                          "allocates, as NVIDIA/Megatron-LM#5222 and "
                                          "ROCm/Megatron-LM#146 do",
                registry.MISSED_POST_BACKWARD.id: "its post-forward releases the parameters of a "
-                                                 "unit whose post-backward hook did not run"}
+                                                 "unit whose post-backward hook did not run",
+               registry.ZERO1_ACCUMULATE.id: "it sets overwrite_main_grad only where gradients "
+                                             "are sharded (NVIDIA/Megatron-LM#6357), or not at "
+                                             "all"}
 
 
 @dataclass

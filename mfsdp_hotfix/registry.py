@@ -56,7 +56,11 @@ FUNCTIONS = (GETTER, DRAIN, WAIT)
 # In the model module (megatron_fsdp.py), read beside the buffer module. Only a fix's own gate:
 # an unknown shape here does not refuse the copy, it leaves the fixes it gates unverified.
 HOOKS = "MegatronFSDP._register_fsdp_hooks"
-GATES = (HOOKS,)
+# Where every release since megatron-core 0.15.0 / megatron-fsdp 0.2.0 sets each parameter's
+# ``overwrite_main_grad`` (after its all-gather), which decides whether fused wgrad accumulation
+# overwrites or adds into ``main_grad``.
+OVERWRITE_SETTER = "MegatronFSDP.all_gather_and_wait_parameters_ready"
+GATES = (HOOKS, OVERWRITE_SETTER)
 # Builds the pools; read only to say how many slots the gradient pool has (status).
 POOL_BUILDER = "ParamAndGradBuffer._init_each_parameter_group_buffers"
 # Every release's pools have 2 slots (``UB_BUFFER_NUM = 2``); NVIDIA PR #6316 makes it the
@@ -146,6 +150,27 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
         # Forks and snapshots of 0.16 and later in their own words (the ROCm fork).
         Shape("releases stale units lazily", structure="releases_stale_units_lazily",
               note="a stale unit's parameters are released lazily"),
+    ),
+    # Fused wgrad accumulation overwrites main_grad where the parameter says so. Right with
+    # sharded gradients (each microbatch's wgrad lands in a fresh bucket that is reduce-scattered
+    # and accumulated into the shard); wrong with unsharded ones (ZeRO-1), whose one buffer must
+    # add up the microbatches.
+    OVERWRITE_SETTER: (
+        Shape("0.14", "55ba5dad1b6ec254dd157f6e4911fb3bd5361c27cd2aa9b4c9090468f255341e",
+              note="does not set overwrite_main_grad"),
+        *(Shape(name, fingerprint, needs=frozenset({"zero1-accumulate"}))
+          for name, fingerprint in (
+              ("0.15", "aee0a25a64f54cd5ff4f4bb6af4caeb14195ee5f84206872f5ecd930a0694722"),
+              ("0.16", "d3cae2766d5256229bd3ed4f3e2bccf3daaef0bbaf4a1303d4cc56692a931b02"))),
+        # NVIDIA main since NVIDIA/Megatron-LM#6357 (not in a release yet).
+        Shape("NVIDIA/Megatron-LM#6357",
+              "ddbe9102d9f29958d94269a7595a54ba7f0eed902320cfd442ad4c9cfb13d0fa",
+              note="sets overwrite_main_grad for sharded gradients only"),
+        # Forks and backports in their own words.
+        Shape("sets overwrite_main_grad = True", structure="always_overwrites_main_grad",
+              needs=frozenset({"zero1-accumulate"})),
+        Shape("sets overwrite_main_grad per parameter", structure="decides_overwrite_main_grad",
+              note="sets overwrite_main_grad from the parameter's strategy, not always True"),
     ),
 }
 
@@ -269,7 +294,19 @@ MISSED_POST_BACKWARD = Fix(
     "parameters lazily, which avoids the crash",
     gate=HOOKS,
 )
-FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
+ZERO1_ACCUMULATE = Fix(
+    "zero1-accumulate",
+    "with unsharded gradients (ZeRO-1 'optim'), fused wgrad accumulation adds each microbatch "
+    "into main_grad instead of overwriting it: overwrite_main_grad is left True only for "
+    "sharded gradients (optim_grads, optim_grads_params)",
+    (), False,
+    "NVIDIA/Megatron-LM#6357 (on main; not in a release as of megatron-core 0.19.2 / "
+    "megatron-fsdp 0.6.1)",
+    gate=OVERWRITE_SETTER,
+)
+# The double buffer's fixes (the eras); ZERO1_ACCUMULATE repairs a release defect outside it.
+DOUBLE_BUFFER_FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
+FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
 
 
@@ -307,3 +344,59 @@ GRAD_POOLS = frozenset({"fsdp_grads", "hsdp_grad_comm"})
 # Where a built ParamAndGradBuffer keeps its gradient pools (None: not built, e.g. no double
 # buffer, or no HSDP).
 GRAD_POOL_ATTRIBUTES = ("main_grad_alloc", "hsdp_grad_comm_alloc")
+
+
+@dataclass(frozen=True)
+class ReleaseDefect:
+    """A defect of released Megatron-FSDP outside the double buffer that users are told about
+    (``status``, docs/RELEASE_DEFECTS.md), and what protects them from it.
+
+    ``fix``: the fix (in :data:`FIXES`) that repairs it; the releases it affects are the copies
+    whose code needs that fix (a fix's gate shape decides, whatever the label), so a copy is
+    judged by its code and the ranges here only say where the shipped releases stand.
+    ``not_covered``: where the defect remains even with the fix (told, not repaired).
+    """
+
+    name: str
+    fix: str
+    releases: dict[str, str]  # distribution -> affected release range
+    git_trees: str  # how a git install or fork is recognised
+    configuration: str  # what triggers it
+    symptom: str
+    workarounds: tuple[str, ...]  # for users who cannot take the fix, each verified
+    upstream: str
+    not_covered: str
+
+
+ZERO1_FUSED_WGRAD_OVERWRITE = ReleaseDefect(
+    "zero1-fused-wgrad-overwrite",
+    ZERO1_ACCUMULATE.id,
+    {"megatron-fsdp": "0.2.0-0.6.1", "megatron-core": "0.15.0-0.19.2"},
+    "any copy whose MegatronFSDP.all_gather_and_wait_parameters_ready sets "
+    "param.overwrite_main_grad = True (git installs of NVIDIA main before "
+    "NVIDIA/Megatron-LM#6357, forks based on those releases)",
+    "ZeRO-1 (data_parallel_sharding_strategy='optim') with fused wgrad accumulation "
+    "(TransformerEngine fuse_wgrad_accumulation / gradient_accumulation_fusion) and 2 or more "
+    "microbatches per optimizer step under no_sync() (Megatron-LM's schedule)",
+    "silently wrong gradients: each microbatch's weight gradient overwrites the ones before it "
+    "in the unsharded gradient buffer, so the step sees only the last microbatch's weight "
+    "gradients",
+    ("ZeRO-2 or ZeRO-3 (optim_grads, optim_grads_params)",
+     "fused wgrad accumulation off (gradient_accumulation_fusion=False)",
+     "one microbatch per optimizer step"),
+    ZERO1_ACCUMULATE.upstream,
+    "megatron-core's own fused linear (tensor_parallel/layers.py, the non-TransformerEngine "
+    "layers) overwrites main_grad of a Megatron-FSDP parameter whatever overwrite_main_grad "
+    "says, in every release and on NVIDIA main; MoE experts through TransformerEngine's op "
+    "fuser set overwrite_main_grad = True again in their forward pre-hook. Neither is repaired: "
+    "use a workaround there",
+)
+RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE,)
+
+
+def defects_of(fixes: Mapping[str, str]) -> list[ReleaseDefect]:
+    """The release defects a copy has, from the state of each fix (``fixes``: id -> state):
+    every one whose fix the copy's code needs, or may need (its shape unknown), whatever the
+    hotfix then did about it."""
+    return [defect for defect in RELEASE_DEFECTS
+            if fixes.get(defect.fix, "not needed") != "not needed"]

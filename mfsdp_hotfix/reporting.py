@@ -89,7 +89,21 @@ def _record_dict(record: CopyRecord) -> dict[str, Any]:
     return {**record.detection.as_dict(), "imported": True,
             "fixes": {k: {"state": s, "reason": r} for k, (s, r) in record.fixes.items()},
             "limits": coverage.limits(record.detection, record.fixes),
+            "release_defects": release_defects(record.fixes),
             "models_repaired": record.models_repaired}
+
+
+def release_defects(fixes: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
+    """The release defects (:data:`registry.RELEASE_DEFECTS`) this copy's code has, each with
+    what its fix's state means for the user: ``repaired`` (applied, or would apply) or not."""
+    states = {fix_id: state for fix_id, (state, _) in fixes.items()}
+    return [{"name": defect.name, "fix": defect.fix, "fix_state": states[defect.fix],
+             "repaired": states[defect.fix] in ("applied", installer.WOULD_APPLY),
+             "releases": dict(defect.releases), "git_trees": defect.git_trees,
+             "configuration": defect.configuration, "symptom": defect.symptom,
+             "workarounds": list(defect.workarounds), "upstream": defect.upstream,
+             "not_covered": defect.not_covered}
+            for defect in registry.defects_of(states)]
 
 
 def _not_imported(copy: Copy, settings: settings_module.Settings) -> list[dict[str, Any]]:
@@ -111,4 +125,5 @@ def judged_offline(found: detection.Detection, settings: settings_module.Setting
         fixes[fix.id] = {"state": state,
                          "reason": fix.summary if state == installer.WOULD_APPLY else reason}
     return {**found.as_dict(), "imported": imported, "fixes": fixes,
-            "limits": coverage.limits(found, states), "models_repaired": 0}
+            "limits": coverage.limits(found, states), "release_defects": release_defects(states),
+            "models_repaired": 0}

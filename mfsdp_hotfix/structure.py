@@ -191,3 +191,32 @@ def _called_attributes(node: ast.AST) -> set[str]:
 
 def _attribute(node: ast.expr) -> str | None:
     return node.attr if isinstance(node, ast.Attribute) else None
+
+
+def always_overwrites_main_grad(source: str) -> bool:
+    """Whether the function assigns ``<anything>.overwrite_main_grad`` and every such assignment
+    is the constant ``True``: fused wgrad overwrites ``main_grad`` whatever the strategy (the
+    releases before NVIDIA/Megatron-LM#6357)."""
+    values = _overwrite_main_grad_values(source)
+    return bool(values) and all(_is_true(value) for value in values)
+
+
+def decides_overwrite_main_grad(source: str) -> bool:
+    """Whether the function assigns ``<anything>.overwrite_main_grad`` and never the constant
+    ``True``: the value is computed (from the strategy, as NVIDIA/Megatron-LM#6357 does, or per
+    parameter)."""
+    values = _overwrite_main_grad_values(source)
+    return bool(values) and not any(isinstance(value, ast.Constant) for value in values)
+
+
+def _overwrite_main_grad_values(source: str) -> list[ast.expr]:
+    function = _only_function(source)
+    if function is None:
+        return []
+    return [node.value for node in ast.walk(function) if isinstance(node, ast.Assign)
+            and any(isinstance(target, ast.Attribute) and target.attr == "overwrite_main_grad"
+                    for target in node.targets)]
+
+
+def _is_true(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is True

@@ -206,7 +206,7 @@ VERSIONS = set().union(*RELEASES.values()) | {
     "3.11.7", "3.12.1", "3.12.3",  # Python
     "580.159.04",  # the NVIDIA driver of the GPU records
 }
-UPSTREAM_PRS = {"#146", "#5222", "#6316", "#6357", "#125484"}
+UPSTREAM_PRS = {"#146", "#5222", "#6316", "#6357", "#6773", "#125484"}
 COMMITS = {"d98e8a64dd", "f7b65d4a2e", "34daba1", "3ac3396", "55e4482", "6889a05",
            "2905781ddb81", "296a923", "2ef7341"}
 EXIT_STATUSES = {0, 1, 2, 3, 4}  # mfsdp_hotfix's commands (docs/AUDIT.md shows them with verdicts)

@@ -86,7 +86,7 @@ def test_backport_with_known_shapes_is_fixed_by_its_shapes(modified_copy: Path) 
           "            if len(double_buf_units) > 2:")
     found = _detect(STANDALONE, modified_copy)
     assert found.era is not None and found.era.name == "A" and not found.verified_release
-    assert [fix.id for fix in registry.FIXES if found.needs(fix)] == ["getter-guard",
+    assert [fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix)] == ["getter-guard",
                                                                       "ordered-drain"]
     assert "megatron-fsdp 0.5.1 with code that release did not ship" in found.reason
     assert found.notes == ("megatron-fsdp 0.5.1 shipped _enforce_double_buffer_limit as in 0.18, "

@@ -51,7 +51,8 @@ def test_import_order(fsdp051: Path, order: str) -> None:
     data = report(run_python(imports + REPORT, fsdp051))
     assert data["drain"] == "ordered-drain" and data["init"] == "getter-guard"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
-                           "missed-post-backward": "not needed"}
+                           "missed-post-backward": "not needed",
+                           "zero1-accumulate": "applied"}
     assert data["status"]["loaded_via"] == "import" and data["status"]["hotfix"] == "active"
 
 
@@ -72,10 +73,12 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
     assert copy["imported"] is False
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
-        "missed-post-backward": "not needed"}
+        "missed-post-backward": "not needed",
+        "zero1-accumulate": "would apply"}
     assert data["status"]["hotfix"] == "active"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
-                           "missed-post-backward": "not needed"}
+                           "missed-post-backward": "not needed",
+                           "zero1-accumulate": "applied"}
 
 
 def test_misspelt_variable_warns_once_at_install(fsdp051: Path) -> None:
@@ -90,7 +93,8 @@ def test_era_c_keeps_its_own_getter(fsdp_release) -> None:
     data = report(run_python("import mfsdp_hotfix\n" + REPORT, fsdp_release("0.6.1")))
     assert data["drain"] == "ordered-drain" and data["init"] == "function"
     assert fixes(data) == {"getter-guard": "not needed", "ordered-drain": "applied",
-                           "missed-post-backward": "not needed"}
+                           "missed-post-backward": "not needed",
+                           "zero1-accumulate": "applied"}
 
 
 def test_both_copies_in_one_process(fsdp051: Path) -> None:
@@ -113,7 +117,8 @@ print("REPORT" + __import__("json").dumps({"status": mfsdp_hotfix.status(),
                     registry_vendored(): ("0.16.1", "A")}
     assert fixes(data, registry_vendored()) == {"getter-guard": "applied",
                                                  "ordered-drain": "applied",
-                                                 "missed-post-backward": "not needed"}
+                                                 "missed-post-backward": "not needed",
+                                                 "zero1-accumulate": "applied"}
 
 
 def registry_vendored() -> str:
@@ -177,7 +182,8 @@ def test_disabled_fix_is_reported(fsdp051: Path) -> None:
                              env={"MFSDP_HOTFIX_DISABLED_FIXES": "getter-guard"}))
     assert data["init"] == "function"
     assert fixes(data) == {"getter-guard": "disabled", "ordered-drain": "applied",
-                           "missed-post-backward": "not needed"}
+                           "missed-post-backward": "not needed",
+                           "zero1-accumulate": "applied"}
 
 
 @pytest.fixture

@@ -286,7 +286,8 @@ def test_the_example_job_through_the_audit(installed: Installed) -> None:
                                   f"{installed.work / 'audit'} for the rank files"), proc.stderr
     assert re.search(r"^mfsdp_hotfix audit, 2 ranks: ordered: 0 unordered of [1-9]\d* "
                      r"gradient-slot reuses", proc.stderr, re.M), proc.stderr[-3000:]
-    assert "mfsdp_hotfix: megatron-fsdp 0.5.1 era B: getter-guard, ordered-drain" in proc.stdout
+    assert ("mfsdp_hotfix: megatron-fsdp 0.5.1 era B: getter-guard, ordered-drain, "
+            "zero1-accumulate") in proc.stdout
     assert proc.stdout.splitlines()[-1].startswith("audit: ordered: ")
     files = sorted((installed.work / "audit").iterdir())
     written = [f.read_bytes() for f in files]

@@ -44,7 +44,8 @@ def test_each_snapshot_gets_the_era_of_its_code(name: str, tmp_path: Path) -> No
     found = _detect(_built(name, tmp_path), snapshot.copy)
     assert not found.refused, found.reason
     assert found.era is not None and found.era.name == snapshot.era
-    assert tuple(fix.id for fix in registry.FIXES if found.needs(fix)) == snapshot.fixes
+    needed = tuple(fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix))
+    assert needed == snapshot.fixes
     assert found.version == snapshot.label and not found.verified_release
     assert found.reason == f"era {snapshot.era} by code shape"
     kind = found.label_kind
@@ -131,7 +132,8 @@ def test_status_says_which_function_matched_which_shape_and_how(tmp_path: Path) 
         "implies": "waits on rs_stream, keeps 2 units live"}
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
         "getter-guard": "not needed", "ordered-drain": "would apply",
-        "missed-post-backward": "not needed"}
+        "missed-post-backward": "not needed",
+        "zero1-accumulate": "would apply"}
     text = _status(root)
     assert ("main_grad_getter: drains before fetching, recognised by structure (guarded)"
             in text)
@@ -147,7 +149,8 @@ def test_status_of_a_git_snapshot_says_it_is_judged_by_its_code(tmp_path: Path) 
     assert copy["reason"] == "era B by code shape"
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
-        "missed-post-backward": "not needed"}
+        "missed-post-backward": "not needed",
+        "zero1-accumulate": "would apply"}
 
 
 def test_pr6316_drain_is_recognised_by_its_structure_with_the_pool_size_from_the_config(
@@ -173,7 +176,8 @@ def test_status_of_pr6316_shows_the_pool_size_and_the_fix(tmp_path: Path) -> Non
         "implies": "waits on rs_stream, keeps N units live, N the configured pool size"}
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
         "getter-guard": "not needed", "ordered-drain": "would apply",
-        "missed-post-backward": "not needed"}
+        "missed-post-backward": "not needed",
+        "zero1-accumulate": "would apply"}
     assert ("gradient pool slots (N): from the config (self.ddp_config.fsdp_buffer_count), "
             "read when the model is built") in _status(root)
 
@@ -206,7 +210,7 @@ def test_a_drain_sized_by_the_config_is_recognised_whatever_the_attribute_path(
     assert not found.refused and found.era is not None and found.era.name == "C"
     drain = found.shapes[registry.DRAIN]
     assert drain is not None and drain.live_units == registry.POOL_SIZE
-    assert [fix.id for fix in registry.FIXES if found.needs(fix)] == ["ordered-drain"]
+    assert [fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix)] == ["ordered-drain"]
 
 
 @pytest.mark.parametrize("old, new, count", [
@@ -241,7 +245,7 @@ def test_n_slot_pull_requests_get_ordered_drain_with_their_pool_size(ref: str) -
     found = _detect(root, registry.COPIES[0])
     assert tuple(found.fingerprints[f] for f in registry.FUNCTIONS) == fingerprints_
     assert not found.refused and found.era is not None and found.era.name == "C"
-    assert [fix.id for fix in registry.FIXES if found.needs(fix)] == ["ordered-drain"]
+    assert [fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix)] == ["ordered-drain"]
     assert found.pool_size == pool_size
 
 

@@ -1,0 +1,142 @@
+"""``zero1-accumulate`` and the release defect it repairs, ``zero1-fused-wgrad-overwrite``.
+
+The real-library cases run ``accumulation_job.py`` as two gloo ranks on CPU: Megatron-LM's
+protocol (``no_sync()`` around every microbatch but the last), TransformerEngine's fused-wgrad
+contract emulated by the selftest model (it honours ``overwrite_main_grad``), gradients compared
+bit for bit with plain PyTorch (``mfsdp_hotfix.compare``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import releases
+
+from mfsdp_hotfix import registry, structure
+from mfsdp_hotfix.fixes import zero1_accumulate
+
+JOB = Path(__file__).with_name("accumulation_job.py")
+
+
+def run_job(release: Path, hotfix: bool, **config: Any) -> dict[str, Any]:
+    """Both ranks of one run; rank 0's report (a rank that died is a failure here)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mfsdp-accumulate-") as tmp:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
+        env.update(PYTHONPATH=os.pathsep.join([str(release), str(releases.REPO)]),
+                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                   **({} if hotfix else {"MFSDP_HOTFIX": "0"}))
+        procs = [subprocess.Popen([sys.executable, str(JOB), json.dumps(config), str(rank), "2",
+                                   f"{tmp}/store", tmp], env=env, stderr=subprocess.PIPE)
+                 for rank in range(2)]
+        logs = [proc.communicate(timeout=240)[1].decode(errors="replace") for proc in procs]
+        reports = [Path(tmp, f"rank{rank}.json") for rank in range(2)]
+        assert all(r.exists() for r in reports), logs
+        report: dict[str, Any] = json.loads(reports[0].read_text())
+    assert "exception" not in report, report.get("traceback")
+    return report
+
+
+def fix_state(report: dict[str, Any]) -> str:
+    (copy,) = [c for c in report["status"]["copies"] if c["package"] == "megatron_fsdp"]
+    return str(copy["fixes"][registry.ZERO1_ACCUMULATE.id]["state"])
+
+
+def test_undoes_the_attribute_only_where_gradients_are_not_sharded() -> None:
+    params = [SimpleNamespace(overwrite_main_grad=True), SimpleNamespace()]
+    zero1 = SimpleNamespace(data_parallel_sharding_strategy="optim")
+    assert zero1_accumulate.accumulates(zero1, params) == 1
+    assert params[0].overwrite_main_grad is False and not hasattr(params[1], "overwrite_main_grad")
+    assert zero1_accumulate.accumulates(zero1, params) == 0  # idempotent
+    for strategy in ("optim_grads", "optim_grads_params"):
+        param = SimpleNamespace(overwrite_main_grad=True)
+        model = SimpleNamespace(data_parallel_sharding_strategy=strategy)
+        assert zero1_accumulate.accumulates(model, [param]) == 0
+        assert param.overwrite_main_grad is True
+
+
+ALWAYS = '''
+def all_gather_and_wait_parameters_ready(self, params):
+    for param in params:
+        param.overwrite_main_grad = True
+'''
+DECIDES = '''
+def all_gather_and_wait_parameters_ready(self, params):
+    for param in params:
+        param.overwrite_main_grad = self.data_parallel_sharding_strategy in ["optim_grads"]
+'''
+SILENT = '''
+def all_gather_and_wait_parameters_ready(self, params):
+    for param in params:
+        param.__fsdp_param__ = True
+'''
+
+
+@pytest.mark.parametrize(("source", "always", "decides"), [
+    (ALWAYS, True, False), (DECIDES, False, True), (SILENT, False, False)],
+    ids=["always", "decides", "silent"])
+def test_fork_shapes(source: str, always: bool, decides: bool) -> None:
+    assert structure.always_overwrites_main_grad(source) is always
+    assert structure.decides_overwrite_main_grad(source) is decides
+
+
+def test_the_defect_is_the_fixs() -> None:
+    (defect,) = registry.RELEASE_DEFECTS
+    assert defect.name == "zero1-fused-wgrad-overwrite" and defect.fix in registry.FIX_IDS
+    assert registry.defects_of({defect.fix: "off"}) == [defect]
+    assert registry.defects_of({defect.fix: "not needed"}) == []
+
+
+@pytest.mark.parametrize("version", ["0.4.0", "0.5.1", "0.6.1"])
+def test_released_wheels_need_the_fix(version: str) -> None:
+    from mfsdp_hotfix import detection
+
+    copy = registry.COPIES[0]
+    folder = releases.unpacked("megatron-fsdp", version)
+    found = detection.detect_file(copy, folder / "megatron_fsdp" / "param_and_grad_buffer.py",
+                                  installed=False)
+    assert found.needs(registry.ZERO1_ACCUMULATE), found.shapes
+
+
+def fields(report: dict[str, Any]) -> tuple[str, set[Any]]:
+    return report["comparison"]["outcome"], set(report["overwrite_main_grad"].values())
+
+
+@pytest.mark.slow
+def test_shipped_zero1_accumulation_is_wrong_and_fixed_exact() -> None:
+    release = releases.unpacked("megatron-fsdp", "0.6.1")
+    shipped = run_job(release, False, strategy="optim", microbatches=2)
+    assert fields(shipped) == ("wrong", {True}), shipped["comparison"]
+    assert fix_state(shipped) == "off"
+    fixed = run_job(release, True, strategy="optim", microbatches=2)
+    assert fields(fixed) == ("exact", {False}), fixed["comparison"]
+    assert fix_state(fixed) == "applied"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [
+    {"strategy": "optim_grads", "microbatches": 2},
+    {"strategy": "optim_grads_params", "microbatches": 2},
+    {"strategy": "optim", "microbatches": 2, "linear": "unfused"},
+    {"strategy": "optim", "microbatches": 1}], ids=["zero2", "zero3", "fusion-off", "one-mb"])
+def test_each_workaround_avoids_it_as_shipped(config: dict[str, Any]) -> None:
+    report = run_job(releases.unpacked("megatron-fsdp", "0.6.1"), False, **config)
+    assert report["comparison"]["outcome"] == "exact", report["comparison"]
+
+
+@pytest.mark.slow
+def test_nvidia_main_is_not_patched_and_exact() -> None:
+    tree = releases.git_tree("main")
+    if tree is None:
+        pytest.skip("NVIDIA main needs a Megatron-LM clone: set MFSDP_TEST_MEGATRON_LM")
+    report = run_job(tree, True, strategy="optim", microbatches=2)
+    assert fix_state(report) == "not needed"
+    assert fields(report) == ("exact", {False}), report["comparison"]
