@@ -70,7 +70,7 @@ def install() -> None:
         tensor.mul_(op.factor)  # in place: the all-reduce's output is this tensor anyway
         return ar(tensor, dist.ReduceOp.SUM, *rest[1:], **kw)
 
-    dist._make_nccl_premul_sum = make
+    setattr(dist, "_make_nccl_premul_sum", make)  # noqa: B010 (a private name of torch's)
     dist.reduce_scatter_tensor = reduce_scatter_tensor
     dist.all_reduce = all_reduce
     dist._mfsdp_premul_emulated = True  # type: ignore[attr-defined]

@@ -216,7 +216,8 @@ def _reference(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any) -> list[di
             for r in range(ranks):
                 ref.zero_grad(set_to_none=True)
                 for mb in range(spec.microbatches):
-                    model_lib.loss_fn(ref(inputs[it, mb, r]), targets[it, mb, r]).backward()
+                    loss: Any = model_lib.loss_fn(ref(inputs[it, mb, r]), targets[it, mb, r])
+                    loss.backward()
                 per_rank.append({n: p.grad.detach().clone() for n, p in ref.named_parameters()
                                  if p.grad is not None})
             grads = {n: sum(g[n] * (1.0 / ranks) for g in per_rank) for n in per_rank[0]}
