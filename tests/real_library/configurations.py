@@ -227,8 +227,8 @@ def _grads(run: dict[str, Any]) -> str:
         return f"equal within bf16 rounding (relative {run['max_rel_grad_error']:.0e})"
     if run["grads_equal"]:
         return "equal" if error == 0 else f"equal (within {error:.0e})"
-    name = (run["cause"] or "").split(" (")[0]
-    return f"WRONG (max abs error {error:.2g}; {name})"
+    names = ", ".join(re.findall(r"(?:release|harness): ([\w-]+)", run["cause"] or ""))
+    return f"WRONG (max abs error {error:.2g}; {names})"
 
 
 def _counts(run: dict[str, Any]) -> str:
