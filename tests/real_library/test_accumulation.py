@@ -56,3 +56,14 @@ def test_a_rerun_gives_the_record(case: acc.Case) -> None:
         record[case.id] = got
         acc.RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     assert got == acc.load_record()[case.id]
+
+
+@pytest.mark.slow
+def test_rewrite_the_whole_grid() -> None:
+    """``MFSDP_WRITE_ACCUMULATION=1``: every case of the grid measured afresh into the record (a
+    few minutes on 2 cores); otherwise skipped, CI reruns ``CI_CASES`` above."""
+    if not WRITE:
+        pytest.skip("set MFSDP_WRITE_ACCUMULATION=1 to rewrite docs/accumulation.json")
+    record = {case.id: acc.measure(case) for case in acc.CASES}
+    acc.RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    test_the_record_holds_every_case_and_each_wrong_run_has_a_cause()
