@@ -18,6 +18,8 @@ from typing import Any
 from . import bootstrap, reporting, settings, status, tree
 from .__about__ import __version__
 from .selftest.gpu_spec import LAYERS as GPU_LAYERS
+from .selftest.protocol import DEFAULT as DEFAULT_PROTOCOL
+from .selftest.protocol import PROTOCOLS
 
 # Exit status of a usage error (argparse's): no command, an unknown one, a bad option.
 USAGE_ERROR = 2
@@ -95,6 +97,11 @@ def _main(argv: list[str] | None) -> int:
     test.add_argument("--json", action="store_true",
                       help="print the results as one JSON object on stdout (progress, table "
                            "and the PASS/FAIL line go to stderr)")
+    test.add_argument("--protocol", choices=list(PROTOCOLS), default=DEFAULT_PROTOCOL,
+                      help="how the 2 microbatches of each step are driven: 'megatron-lm' "
+                           "(no_sync() around every microbatch but the last, as Megatron-LM and "
+                           "Megatron-Bridge do; default) or 'auto-sync' (fully_shard's default "
+                           "sync_model_each_microbatch=True); also with --gpu")
     test.add_argument("--audit", action="store_true",
                       help="run both phases with the on-the-job audit on and check that its "
                            "counts equal the stand-in's; with --json, print {\"phases\": [...]} "
@@ -182,7 +189,7 @@ def _main(argv: list[str] | None) -> int:
                  if getattr(args, name) != test.get_default(name)]
         if given:
             test.error(f"{', '.join(given)} only apply with --gpu")
-        return _selftest(args.path, args.flavour, args.json, args.audit)
+        return _selftest(args.path, args.flavour, args.json, args.audit, args.protocol)
     if args.command == "run":
         return _run(args.cmd, parser)
     if args.command == "audit":
@@ -354,7 +361,8 @@ def _note_audit_not_passed_on(as_json: bool) -> None:
               "selftest's own.", file=sys.stderr if as_json else sys.stdout, flush=True)
 
 
-def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool) -> int:
+def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool,
+              protocol: str = DEFAULT_PROTOCOL) -> int:
     """``selftest`` (and ``--audit``: both phases with the audit on, and PASS also needs the
     audit's counts to equal the stand-in's in each phase)."""
     try:
@@ -377,7 +385,7 @@ def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool) -> int
 
     # With --json, stdout carries only the JSON; progress and the table go to stderr.
     runs = run_selftest(path=path, flavour=flavour, out=sys.stderr if as_json else sys.stdout,
-                        audit=audit)
+                        audit=audit, protocol=protocol)
     passed, line = conclusion(runs)
     if as_json:
         results = ({"phases": [audit_phase(name, result) for name, result in runs]} if audit
@@ -411,7 +419,8 @@ def _gpu_selftest(args: argparse.Namespace) -> int:
         visible, _ = gpu.probe_cuda()
         plan = gpu.build_plan(visible, args.gpus, args.layer, gpu.te_importable(),
                               flavour=args.flavour, zero=args.zero, delay_ms=args.delay_ms,
-                              dtype=args.dtype, timeout_s=args.timeout)
+                              dtype=args.dtype, timeout_s=args.timeout,
+                              protocol=args.protocol)
     except gpu.CannotRun as exc:
         return cannot_run(str(exc))
     results = gpu.run_gpu_selftest(plan, path=args.path, out=out, progress=sys.stderr)

@@ -86,7 +86,8 @@ def record(name: str) -> Any:
     if name == "gpu_report.py records":
         import gpu_report
         return gpu_report.load(sorted(str(p) for p in VALIDATION.glob("gpu-*.json.gz")))[0]
-    path = REPO / "docs" / name if name == "configurations.json" else VALIDATION / name
+    path = (REPO / "docs" / name if name in ("configurations.json", "accumulation.json")
+            else VALIDATION / name)
     if name.endswith(".gz"):
         with gzip.open(path, "rt") as f:
             return json.load(f)
@@ -842,6 +843,36 @@ claim(AUDIT_DOC, "audit found {}–{} of {}–{} reuses unordered in every such 
 
 claim("docs/CONFIGURATIONS.md", "The whole matrix ({} rows, {} runs)", "configurations.json",
       lambda rec: (len(rec), sum(len(row["runs"]) for row in rec.values())))
+
+# docs/ACCUMULATION.md: the accumulation experiment (tests/real_library/accumulation.py).
+ACC, ACC_DOC = "accumulation.json", "docs/ACCUMULATION.md"
+
+
+def acc_error(rec: dict[str, Any], case_id: str) -> float:
+    return float(rec[case_id]["max_abs_grad_error"])
+
+
+def acc_same(rec: dict[str, Any], ids: list[str]) -> float:
+    """One error shared by several cases (the claim says they are alike)."""
+    return only(tuple(acc_error(rec, i) for i in ids))
+
+
+claim(ACC_DOC, "{} microbatches, max abs error {} on megatron-fsdp 0.4.0, 0.5.1 and 0.6.1 alike",
+      ACC, lambda rec: (rec["0.6.1/zero1/megatron-lm/emulated/scale-then-sum/2mb"]["case"][
+          "microbatches"], acc_same(rec, [
+          f"{r}/zero1/megatron-lm/emulated/scale-then-sum/2mb" for r in ("0.4.0", "0.5.1",
+                                                                          "0.6.1")]
+          + ["0.6.1/zero1/megatron-lm/emulated/premul-sum/2mb"]),))
+claim(ACC_DOC, "grows with the microbatches ({} with {}, {} with {})", ACC, lambda rec: tuple(
+    x for n in (3, 4)
+    for x in (acc_error(rec, f"0.6.1/zero1/megatron-lm/emulated/scale-then-sum/{n}mb"), n)))
+claim(ACC_DOC, "fp32 and bf16 reduction, {} to {} microbatches", ACC, lambda rec: lo_hi(
+    [got["case"]["microbatches"] for got in rec.values()]))
+claim(ACC_DOC, "(max abs error {} on 0.6.1, fused or not)", ACC, lambda rec: (acc_same(rec, [
+    f"0.6.1/hsdp/auto-sync/{lin}/{red}/2mb" for lin in ("emulated", "unfused")
+    for red in ("scale-then-sum", "premul-sum")]),))
+claim(ACC_DOC, "wrong under auto-sync ({}) and", ACC,
+      lambda rec: (acc_error(rec, "0.6.1/zero1/auto-sync/unfused/scale-then-sum/2mb"),))
 
 FUZZ = "fuzz-summary.json"
 claim(VAL, "the TE matrix is {} configurations × shipped/hotfix × {}/{} ms", TE,

@@ -51,3 +51,25 @@ def test_audit_phases_plan_every_release_and_configuration() -> None:
         for zero in (1, 2, 3):
             assert f"{release}|z{zero}|mb1|nccl_sem|db+hotfix+audit|d0|sweep" in out
     assert "core-0.19.2|z2|perf|db+hotfix+audit|d0|rep1" in out
+
+
+def test_accumulation_gpu_script_finds_zero1s_lost_microbatch_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The GPU confirmation of zero1-fused-wgrad-overwrite, run on the CPU stand-in (tiny):
+    on megatron-fsdp 0.6.1 ZeRO-1's 2-microbatch step equals its last microbatch alone, ZeRO-2/3
+    not."""
+    import json
+    import os
+
+    import releases
+
+    out = tmp_path / "acc.json"
+    env = {**os.environ, "MFSDP_HOTFIX": "0", "PYTHONPATH": os.pathsep.join(
+        [str(releases.unpacked("megatron-fsdp", "0.6.1")), str(REPO)])}
+    proc = subprocess.run([sys.executable, "validation/accumulation_gpu.py", "--cpu", "--tiny",
+                           "--out", str(out)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert {k: v["first_microbatch_lost"] for k, v in summary.items()} == {
+        "zero1-megatron-lm": True, "zero1-auto-sync": True, "zero2-megatron-lm": False,
+        "zero2-auto-sync": False, "zero3-megatron-lm": False, "zero3-auto-sync": False}

@@ -11,7 +11,9 @@ NCCL work semantics from ``fakepg_shims``).  A dense model and an MoE model (TE 
 ``moe_grouped_gemm=True``) are run on megatron-core 0.18.2 and 0.19.2, as shipped and with
 ``mfsdp_hotfix`` imported first, each against the same run serialized
 (``CUDA_LAUNCH_BLOCKING=1``), with and without a slow reduce-scatter; the ``main_grad`` buffers
-are compared bit for bit after every ``finish_grad_sync``.
+are compared bit for bit after every ``finish_grad_sync``. Microbatches are driven as
+Megatron-LM's schedule drives them: ``no_sync()`` around every microbatch but the last (records
+before this was added called no ``no_sync()``; for ZeRO-3 the release reduces the same way).
 
 Each case is its own process and records every stage it reaches (imports, parallel_state,
 model_build, fsdp_wrap, forward, backward, finish_grad_sync, steps) with the exception and
@@ -179,21 +181,32 @@ def run_case(c, res):
         ev[0].record()
         return ev
 
-    # step 0, stage by stage
+    # step 0, stage by stage, driven as Megatron-LM's schedule does (forward_backward_no_pipelining:
+    # one ddp.no_sync() around every microbatch but the last, entered even with one microbatch)
     ev = start_step()
+    last = c["microbatches"] - 1
+    no_sync = contextlib.ExitStack()
+    no_sync.enter_context(ddp.no_sync())
+    if last == 0:
+        no_sync.close()
     loss = st.run("forward", lambda: forward(0, 0))
     res["loss0"] = float(loss.detach())
     st.run("backward", loss.backward)
     for mb in range(1, c["microbatches"]):
+        if mb == last:
+            no_sync.close()
         st.run(f"microbatch{mb}", lambda mb=mb: forward(0, mb).backward())
+    no_sync.close()
     st.run("finish_grad_sync", ddp.finish_grad_sync)
     g = st.run("read_grads", lambda: finish_step(0, ev))
 
     def later_steps():
         for step in range(1, c["steps"]):
             ev = start_step()
-            for mb in range(c["microbatches"]):
-                forward(step, mb).backward()
+            with ddp.no_sync():
+                for mb in range(last):
+                    forward(step, mb).backward()
+            forward(step, last).backward()
             ddp.finish_grad_sync()
             g = finish_step(step, ev)
         return g

@@ -20,7 +20,13 @@ Spec keys (defaults in ``DEFAULTS``): ``pkg``, ``fix``, ``pg``, ``layer`` (``emu
 buffer), ``hidden``, ``units`` (a list of ``{"ffn": int, "norm": bool}``, or an int with ``ffn``
 and ``norm``), ``head``, ``tokens``, ``microbatches``, ``steps``, ``warmup``, ``dtype``
 (fp32/bf16), ``optimizer`` (None/"adam"), ``faults`` (a ``schedule_faults.Schedule`` as a dict),
-``truth`` (``{"mode": "save"|"compare", "path": ...}``), ``cycles_per_ms``, ``timing``.
+``truth`` (``{"mode": "save"|"compare", "path": ...}``), ``cycles_per_ms``, ``timing``,
+``protocol`` (how each step's microbatches are driven: ``megatron-lm``, Megatron-LM's
+``no_sync()`` around every microbatch but the last, or ``auto-sync``; see
+``mfsdp_hotfix/selftest/protocol.py``). Records made before ``protocol`` existed built
+``MegatronFSDP`` with its default ``sync_model_each_microbatch=False`` and called no
+``no_sync()``: for ZeRO-2/3 without HSDP the release reduces the same way as under
+``megatron-lm`` (it reduces sharded gradients after every backward either way).
 
 The command line runs one case (used by run_matrix.py) and writes its record to ``--out``.
 """
@@ -45,12 +51,33 @@ if HERE not in sys.path:
 import comparison  # noqa: E402  (no torch at import)
 import schedule_faults  # noqa: E402
 
+
+def _load_protocol() -> Any:
+    """``mfsdp_hotfix/selftest/protocol.py`` loaded by its path: importing the package would arm
+    the hotfix, and the "as shipped" cases must run the release unpatched."""
+    import importlib.util
+
+    name = "_mfsdp_hotfix_protocol"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = os.path.join(os.path.dirname(HERE), "mfsdp_hotfix", "selftest", "protocol.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+protocol = _load_protocol()
+
 DEFAULTS: dict[str, Any] = dict(
     pkg="megatron_fsdp", fix="none", pg="nccl_sem", layer="emulated", fuse=True,
     delay_wgrad=False, zero=2, db=True, hidden=512, units=4, ffn=1024, norm=False, head=False,
     tokens=2048, microbatches=2, steps=3, warmup=0, dtype="fp32", optimizer=None, lr=1e-3,
     faults=None, truth=None, cycles_per_ms=0.0, timing=False, read_grads=True,
-    trace_slots=False, input_seed=10_000, model_seed=1234, truth_wait_s=300.0)
+    trace_slots=False, input_seed=10_000, model_seed=1234, truth_wait_s=300.0,
+    protocol="megatron-lm")
 PROCESS_KEYS = ("pkg", "fix", "pg")
 
 
@@ -249,7 +276,9 @@ def _run(proc: Process, s: dict[str, Any], res: dict[str, Any]) -> None:
                                                  tp_dim="tp")
     model = proc.mfpkg.MegatronFSDP(module, dist_index, ddp_config=cfg,
                                     mixed_precision_policy=proc.mfpkg.MixedPrecisionPolicy(),
-                                    fsdp_unit_modules=[unit_cls], device=dev)
+                                    fsdp_unit_modules=[unit_cls], device=dev,
+                                    **protocol.wrap_options(s["protocol"]))
+    protocol.verify(model, s["protocol"])
     if proc.hotfix is not None:
         try:
             res["hotfix_status"] = proc.hotfix.status()
@@ -287,13 +316,17 @@ def _run(proc: Process, s: dict[str, Any], res: dict[str, Any]) -> None:
         if timing:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        for mb in range(s["microbatches"]):
+
+        def microbatch(mb: int, step: int = step, model: Any = model,
+                       losses: list[Any] = losses) -> None:
             gen.manual_seed(s["input_seed"] + 100 * step + mb)
             x = torch.randn(s["tokens"], s["hidden"], device=dev, dtype=dtype, generator=gen,
                             requires_grad=True)
             loss = model(x).float().square().mean()
             loss.backward()
             losses.append(loss.detach())
+
+        protocol.accumulate(model, s["protocol"], s["microbatches"], microbatch)
         model.finish_grad_sync()
         if timing:
             end.record()
@@ -654,6 +687,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--protocol", default="megatron-lm", choices=protocol.PROTOCOLS,
+                   help="how each step's microbatches are driven (default: Megatron-LM's)")
     p.add_argument("--save-grads", default="")
     p.add_argument("--truth", default="")
     p.add_argument("--no-grads", action="store_true", help="perf runs: do not read grads back")
@@ -674,7 +709,8 @@ def spec_from_args(a: argparse.Namespace) -> dict[str, Any]:
     return dict(id=a.label, pkg=a.pkg, fix=a.fix, pg=a.pg, zero=a.zero, db=bool(a.db),
                 hidden=a.hidden, units=a.units, ffn=a.ffn, norm=bool(a.norm), head=bool(a.head),
                 tokens=a.tokens, dtype=a.dtype, steps=a.steps, warmup=a.warmup,
-                microbatches=a.microbatches, cycles_per_ms=a.cycles_per_ms, timing=True,
+                microbatches=a.microbatches, protocol=a.protocol,
+                cycles_per_ms=a.cycles_per_ms, timing=True,
                 read_grads=not a.no_grads, trace_slots=a.trace_slots, truth=truth, truth_wait_s=0,
                 faults={"seed": 0, "rs": {"fixed_ms": a.delay_ms}} if a.delay_ms > 0 else None)
 

@@ -64,7 +64,7 @@ class GpuPlan:
         return (f"{ranks}; {first.units} units of {LAYER_LABELS[self.layer]}, hidden "
                 f"{first.hidden}, {first.tokens} tokens, {first.dtype}, ZeRO-{first.zero}, "
                 f"fsdp_double_buffer=True, {first.steps} steps x {first.microbatches} "
-                f"microbatches; {delay}")
+                f"microbatches ({first.protocol} protocol); {delay}")
 
 
 def build_plan(visible_gpus: int, gpus: int | None = None, layer: str = "auto",

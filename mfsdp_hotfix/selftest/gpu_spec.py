@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mfsdp_hotfix.selftest.protocol import DEFAULT as DEFAULT_PROTOCOL
+
 VARIANTS = ("shipped", "hotfix")  # MFSDP_HOTFIX=0, and the hotfix on
 LAYERS = ("auto", "te-layernorm-mlp", "te-linear", "emulated")
 LAYER_LABELS = {
@@ -27,6 +29,7 @@ class GpuRun:
 
     ``fake``: one GPU, one process holding a fake 2-rank group with NCCL work semantics;
     otherwise ``ranks`` processes (one per GPU) over NCCL, started by torchrun.
+    ``protocol``: how each step's microbatches are driven (``protocol.PROTOCOLS``).
     """
 
     variant: str
@@ -45,6 +48,7 @@ class GpuRun:
     microbatches: int = 2
     seed: int = 1234
     timeout_s: float = 300.0
+    protocol: str = DEFAULT_PROTOCOL
 
     @property
     def name(self) -> str:

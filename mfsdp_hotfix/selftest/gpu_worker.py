@@ -7,12 +7,13 @@ imported as this module's parent package, before Megatron-FSDP, as a user's ``im
 mfsdp_hotfix`` would be). Order matters: calibrate the fault, install the shims, create the
 process group, then import the release (it binds ``torch.distributed`` names at import).
 
-It trains ``steps`` x ``microbatches`` forward/backward/``finish_grad_sync`` steps without an
-optimizer step (weights fixed, inputs change per step), keeps each step's local gradient shards on
-the GPU (no host synchronisation between steps, which could hide a race) and reads them back at
-the end. A serialized run saves them (``<variant>-truth.rank<R>.pt``); an asynchronous run
-compares them, bit for bit, with that file. Writes ``OUT_DIR/<run>.rank<R>.json``; exit status 0,
-or 3 when the run crashed (torchrun then stops the other ranks).
+It trains ``steps`` steps of ``microbatches`` forward/backward passes, driven as ``protocol``
+says (``protocol.accumulate``), each ending with ``finish_grad_sync``, without an optimizer step
+(weights fixed, inputs change per step), keeps each step's local gradient shards on the GPU
+(no host synchronisation between steps, which could hide a race) and reads them back at the end.
+A serialized run saves them (``<variant>-truth.rank<R>.pt``); an asynchronous run compares them,
+bit for bit, with that file. Writes ``OUT_DIR/<run>.rank<R>.json``; exit status 0, or 3 when the
+run crashed (torchrun then stops the other ranks).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mfsdp_hotfix.compare import compare
+from mfsdp_hotfix.selftest import protocol as accumulation
 from mfsdp_hotfix.selftest.gpu_spec import DTYPES, ZERO_STRATEGY, GpuRun
 from mfsdp_hotfix.selftest.worker import STANDALONE, VENDORED, _release_info, resolve_flavour, wrap
 
@@ -109,7 +111,8 @@ def run_rank(run: GpuRun, out_dir: str, report: dict[str, Any]) -> None:
 
     dtype = getattr(torch, DTYPES[run.dtype])
     net = model_lib.build_on(device, run.layer, run.hidden, run.units, run.seed, dtype)
-    model = wrap(fully_shard, net, type(net.units[0]), ZERO_STRATEGY[run.zero], True, device)
+    model = wrap(fully_shard, net, type(net.units[0]), ZERO_STRATEGY[run.zero], True, device,
+                 protocol=run.protocol)
     import mfsdp_hotfix
 
     report["hotfix"] = (mfsdp_hotfix.summary() if mfsdp_hotfix.status()["hotfix"] != "off"
@@ -119,11 +122,14 @@ def run_rank(run: GpuRun, out_dir: str, report: dict[str, Any]) -> None:
     started = time.perf_counter()
     for step in range(run.steps):
         model.zero_grad_buffer()
-        for micro in range(run.microbatches):
+
+        def microbatch(micro: int, step: int = step) -> None:
             gen.manual_seed(run.seed + 100_000 * rank + 100 * step + micro)
             x = torch.randn(run.tokens, run.hidden, device=device, dtype=dtype, generator=gen,
                             requires_grad=True)
             model(x).float().square().mean().backward()
+
+        accumulation.accumulate(model, run.protocol, run.microbatches, microbatch)
         model.finish_grad_sync()
         kept.append(local_grads(model))
     torch.cuda.synchronize()

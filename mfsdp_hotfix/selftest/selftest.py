@@ -132,8 +132,8 @@ def format_table(results: list[tuple[str, CaseResult]]) -> str:
 def run_selftest(path: str | None = None, flavour: str = "auto",
                  out: TextIO | None = None, progress: bool = True,
                  spec: CaseSpec | None = None,
-                 runner: Callable[..., CaseResult] = run_case, audit: bool = False
-                 ) -> list[tuple[str, CaseResult]]:
+                 runner: Callable[..., CaseResult] = run_case, audit: bool = False,
+                 protocol: str | None = None) -> list[tuple[str, CaseResult]]:
     """Run the selftest case without and with the hotfix; print progress and a table.
 
     ``path``: a folder to put first on the workers' ``sys.path`` (for example an unpacked
@@ -141,13 +141,16 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
     "standalone" (``megatron_fsdp``) or "core" (megatron-core's vendored copy).  ``spec``: the
     case (model size, strategy, ...), default :class:`CaseSpec`'s.  ``runner``: how a case is
     run (tests pass a caching one).  ``audit``: run both with ``MFSDP_HOTFIX_AUDIT`` set and
-    compare the audit's counts with the stand-in's.
+    compare the audit's counts with the stand-in's. ``protocol``: how microbatches are driven
+    (``protocol.PROTOCOLS``; default: the spec's, Megatron-LM's).
     Returns ``[("without hotfix", result), ("with hotfix", result)]``.
     """
     stream = out if out is not None else sys.stdout
     base = CaseSpec(**(spec if spec is not None else CaseSpec()).__dict__)
     base.path, base.flavour = path if path is not None else base.path, flavour
     base.audit = base.audit or audit
+    if protocol is not None:
+        base.protocol = protocol
     runs: list[tuple[str, CaseResult]] = []
     for name, mode in (("without hotfix", "off"), ("with hotfix", "on")):
         case = CaseSpec(**{**base.__dict__, "hotfix": mode})

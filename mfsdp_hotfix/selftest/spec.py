@@ -10,10 +10,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mfsdp_hotfix.selftest.protocol import DEFAULT as DEFAULT_PROTOCOL
+
 FLAVOURS = ("auto", "standalone", "core")
 ZERO_STAGE = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 HOTFIX_MODES = ("on", "off")
-GRAD_REDUCES = ("scale-then-sum", "per-token")
+GRAD_REDUCES = ("scale-then-sum", "per-token", "premul-sum")
 
 
 @dataclass
@@ -32,6 +34,10 @@ class CaseSpec:
     the release only sums, and each rank's loss carries the 1/world size (exact: a power of two).
     megatron-fsdp 0.1.0-0.2.3 / megatron-core 0.14-0.15 need "per-token": their scale-then-sum
     path scales the local shard instead of the bucket it reduces (see docs/OLDEST_RELEASES.md).
+    "premul-sum": the release's default ``gradient_reduce_div_fusion=True``, with NCCL's
+    PREMUL_SUM emulated on gloo (``premul``): the buffer reduced is not scaled in place.
+    ``protocol``: how the microbatches of a step are driven (``protocol.PROTOCOLS``):
+    "megatron-lm" (``no_sync()`` around all but the last) or "auto-sync" (fully_shard's default).
     ``audit``: run the workers with ``MFSDP_HOTFIX_AUDIT`` set, so that the audit's counts can be
     compared with the stand-in's.
     ``options``: further ``fully_shard_model`` keywords (``maxpool_double_buffer``,
@@ -71,6 +77,7 @@ class CaseSpec:
     world: int = 2
     outer: int = 1
     grad_comm_dtype: str | None = None
+    protocol: str = DEFAULT_PROTOCOL
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -91,7 +98,8 @@ class CaseSpec:
             bits.append(f"fixes disabled: {self.disabled_fixes}")
         bits.append(f"ZeRO-{ZERO_STAGE.get(self.strategy, self.strategy)}")
         bits.append("double buffer" if self.double_buffer else "no double buffer")
-        bits.append(f"{self.units} units, {self.microbatches} microbatch(es)")
+        bits.append(f"{self.units} units, {self.microbatches} microbatch(es), "
+                    f"{self.protocol} protocol")
         if self.grad_reduce != "scale-then-sum":
             bits.append(f"grad reduce {self.grad_reduce}")
         if self.linear != "emulated":

@@ -4,8 +4,9 @@ Run by the runner as ``python -m mfsdp_hotfix.selftest.worker SPEC_JSON RANK WOR
 once per rank, with the chosen release first on ``PYTHONPATH``.  It installs the ``torch.cuda``
 stand-in (only here, in this process), imports the release (the hotfix, when enabled, is already
 imported as the parent package and patches it through its import hooks), wraps the release's
-pools with the ordering checker, trains ``iterations`` x ``microbatches`` steps of
-forward/backward/``finish_grad_sync``, gathers the full gradients and compares them with a
+pools with the ordering checker, trains ``iterations`` steps of ``microbatches``
+forward/backward passes driven as ``spec.protocol`` says (``protocol.accumulate``), then
+``finish_grad_sync``, gathers the full gradients and compares them with a
 single-process reference, then takes an SGD step on the shards (and the reference) and
 ``zero_grad_buffer``s before the next iteration.  It writes
 ``OUT/rank{R}.json`` and exits.
@@ -30,6 +31,7 @@ from types import ModuleType
 from typing import Any
 
 from mfsdp_hotfix.compare import compare
+from mfsdp_hotfix.selftest import protocol as accumulation
 from mfsdp_hotfix.selftest.spec import CaseSpec
 
 STANDALONE = "megatron_fsdp"
@@ -132,12 +134,17 @@ def fully_shard_model_of(release: Any) -> Any:
 def wrap(release: Any, module: Any, unit_cls: type, strategy: str,
          double_buffer: bool, device: Any, per_token_loss: bool = False,
          options: dict[str, Any] | None = None, outer: int = 1,
-         grad_comm_dtype: str | None = None) -> Any:
+         grad_comm_dtype: str | None = None, protocol: str = accumulation.DEFAULT,
+         div_fusion: bool = False) -> Any:
     """``fully_shard_model`` over all ranks of the default group, as a (ranks, 1) dp/tp mesh
     (megatron-fsdp 0.5.x needs a registered TP submesh), with the options this release accepts;
     ``options`` must all be accepted. ``outer`` > 1: HSDP, an (outer, ranks/outer, 1) mesh.
     ``release``: Megatron-FSDP, as :func:`fully_shard_model_of` accepts it (e.g.
-    ``megatron_fsdp``, or ``from megatron_fsdp import fully_shard``)."""
+    ``megatron_fsdp``, or ``from megatron_fsdp import fully_shard``).
+    ``protocol``: the accumulation protocol the caller will drive (``protocol.accumulate``); it
+    sets ``sync_model_each_microbatch``, which the release must accept.
+    ``div_fusion``: keep the release's ``gradient_reduce_div_fusion=True`` (PREMUL_SUM: on gloo
+    only with ``premul.install()``); False scales the buffer, then reduces with SUM."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -168,14 +175,18 @@ def wrap(release: Any, module: Any, unit_cls: type, strategy: str,
         "calculate_per_token_loss": per_token_loss,
     }
     accepted = inspect.signature(fully_shard_model).parameters
-    required = {**hybrid, **(options or {})}
+    required = {**hybrid, **accumulation.wrap_options(protocol), **(options or {})}
     unknown = sorted(set(required) - set(accepted))
     if unknown:
         raise TypeError(f"this release's fully_shard_model has no option {', '.join(unknown)}")
     model = fully_shard_model(**{k: v for k, v in wanted.items() if k in accepted}, **required)
-    # gloo has no PREMUL_SUM: scale first, then SUM (a setting, not a patch; the GPU runs use
-    # the same, so that every backend reduces alike).
-    if hasattr(model.ddp_config, "gradient_reduce_div_fusion"):
+    accumulation.verify(model, protocol)
+    # gloo has no PREMUL_SUM: by default scale first, then SUM (a setting, not a patch; the GPU
+    # runs use the same, so that every backend reduces alike).
+    if not div_fusion:
+        if not hasattr(model.ddp_config, "gradient_reduce_div_fusion"):
+            raise TypeError("this release's DistributedDataParallelConfig has no "
+                            "gradient_reduce_div_fusion")
         model.ddp_config.gradient_reduce_div_fusion = False
     return model
 
@@ -187,21 +198,40 @@ def _rank_loss(spec: CaseSpec, loss: Any, world: int) -> Any:
 
 
 def _reference(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any) -> list[dict[str, Any]]:
-    """Plain single-process PyTorch: sum over microbatches of the mean over ranks of the loss,
-    then an SGD step per iteration."""
+    """Plain single-process PyTorch: per iteration, the sum over microbatches of the mean over
+    ranks of each rank's loss gradient (what both protocols define, ``protocol``), then an SGD
+    step. The additions are made in the order the release's reduction makes them, so that a
+    correct run is bit-identical: where the protocol reduces once per step
+    (``protocol.reduces_once``), each rank's gradients are summed over microbatches first and
+    the ranks' sums then averaged; otherwise each microbatch is averaged over ranks first."""
     from mfsdp_hotfix.selftest import model as model_lib
 
     ref = model_lib.build(spec.hidden, spec.units, spec.seed, "plain", dtype, spec.wide_units)
+    ranks = inputs.shape[2]
+    once = accumulation.reduces_once(spec.protocol, spec.strategy, spec.outer)
     out: list[dict[str, Any]] = []
     for it in range(spec.iterations):
-        ref.zero_grad(set_to_none=True)
-        for mb in range(spec.microbatches):
-            ranks = inputs.shape[2]
-            loss = sum(model_lib.loss_fn(ref(inputs[it, mb, r]), targets[it, mb, r])
-                       for r in range(ranks)) / ranks
-            loss.backward()
-        out.append({n: p.grad.detach().clone() for n, p in ref.named_parameters()
-                    if p.grad is not None})
+        if once:
+            per_rank = []
+            for r in range(ranks):
+                ref.zero_grad(set_to_none=True)
+                for mb in range(spec.microbatches):
+                    loss: Any = model_lib.loss_fn(ref(inputs[it, mb, r]), targets[it, mb, r])
+                    loss.backward()
+                per_rank.append({n: p.grad.detach().clone() for n, p in ref.named_parameters()
+                                 if p.grad is not None})
+            grads = {n: sum(g[n] * (1.0 / ranks) for g in per_rank) for n in per_rank[0]}
+        else:
+            ref.zero_grad(set_to_none=True)
+            for mb in range(spec.microbatches):
+                loss = sum(model_lib.loss_fn(ref(inputs[it, mb, r]), targets[it, mb, r])
+                           for r in range(ranks)) / ranks
+                loss.backward()
+            grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()
+                     if p.grad is not None}
+        out.append(grads)
+        for n, p in ref.named_parameters():
+            p.grad = grads.get(n)
         _sgd_step(ref.parameters(), spec.lr)
     return out
 
@@ -244,6 +274,10 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
 
     checker = OrderingChecker()
     checker.install(pgb)
+    if spec.grad_reduce == "premul-sum":
+        from mfsdp_hotfix.selftest import premul
+
+        premul.install()
 
     store = dist.FileStore(store_path, world)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
@@ -258,7 +292,8 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
                               spec.wide_units)
         fsdp = wrap(fully_shard, net, model_lib.Unit, spec.strategy, spec.double_buffer,
                     torch.device("cpu"), spec.grad_reduce == "per-token", spec.options,
-                    spec.outer, spec.grad_comm_dtype)
+                    spec.outer, spec.grad_comm_dtype, spec.protocol,
+                    spec.grad_reduce == "premul-sum")
         if spec.hotfix == "late":
             import mfsdp_hotfix
 
@@ -271,12 +306,13 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
         reference = _reference(spec, inputs, targets, dtype) if rank == 0 else None
         for it in range(spec.iterations):
             fsdp.zero_grad_buffer()
-            for mb in range(spec.microbatches):
-                if hasattr(fsdp, "set_is_last_microbatch"):
-                    fsdp.set_is_last_microbatch(mb == spec.microbatches - 1)
+
+            def microbatch(mb: int, it: int = it) -> None:
                 out = fsdp(inputs[it, mb, rank])
                 _rank_loss(spec, model_lib.loss_fn(out, targets[it, mb, rank]),
                            world).backward()
+
+            accumulation.accumulate(fsdp, spec.protocol, spec.microbatches, microbatch)
             fsdp.finish_grad_sync()
             named = dict(fsdp.module.named_parameters())
             grads = _gather_full({n: p.grad for n, p in named.items()},

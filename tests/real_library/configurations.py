@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import accumulation
 import releases
 import snapshots
 
+from mfsdp_hotfix.selftest.protocol import AUTO_SYNC, MEGATRON_LM
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
 
@@ -30,7 +32,7 @@ BEGIN, END = "<!-- configurations table: begin -->", "<!-- configurations table:
 FIXED = "fixed"  # with the hotfix: >0 reuses, none unordered, gradients equal the reference
 REFUSED = "refused"  # the hotfix refuses the copy (with its reason); the audit reports the race
 NOT_CHECKED = "not checked"  # no gradient-slot reuse at all; the audit says NOT CHECKED
-CONTROL = "control"  # fsdp_double_buffer=False: wrong gradients that are not the double buffer's
+CONTROL = "control"  # fsdp_double_buffer=False: what accumulation does without the double buffer
 
 
 @dataclass(frozen=True)
@@ -41,10 +43,14 @@ class Configuration:
     what: str
     expect: str
     fields: dict[str, Any] = field(default_factory=dict)
+    # what explains gradients that differ from the reference in this row (accumulation.CAUSES
+    # keys); recorded only for a run whose gradients do differ
+    cause: tuple[str, ...] = ()
 
     def spec(self, hotfix: str) -> CaseSpec:
         return CaseSpec(flavour="standalone", path=str(path_of(self.source)), hotfix=hotfix,
-                        audit=True, **{"units": 6, **self.fields})
+                        audit=True, **{"units": 6, "microbatches": 2,
+                                       "protocol": MEGATRON_LM, **self.fields})
 
     @property
     def hotfix_modes(self) -> tuple[str, ...]:
@@ -52,9 +58,12 @@ class Configuration:
 
 
 MAXPOOL = {"maxpool_double_buffer": True}
-# HSDP and ZeRO-1 run one microbatch per step: with two, this harness's gradients differ from
-# the reference with fsdp_double_buffer=False too (the CONTROL rows), i.e. outside the double
-# buffer; not investigated here.
+# Every row runs 2 microbatches per step, driven as Megatron-LM drives them (no_sync() around all
+# but the last), except the one single-microbatch control; docs/ACCUMULATION.md says why ZeRO-1
+# with fused wgrad differs from the reference on the releases (zero1-fused-wgrad-overwrite) and
+# why the auto-sync controls do (auto-sync-accumulation).
+OVERWRITE = (accumulation.ZERO1_OVERWRITE,)
+AUTO = (accumulation.AUTO_SYNC_ACCUMULATION,)
 CONFIGURATIONS = (
     Configuration("fixedpool-zero3", "0.6.1", "FixedPoolAllocator, ZeRO-3", FIXED),
     Configuration("maxpool-zero3", "0.6.1", "MaxPoolAllocator (maxpool_double_buffer=True), "
@@ -74,14 +83,15 @@ CONFIGURATIONS = (
     Configuration("maxpool-wide", "0.6.1", "MaxPoolAllocator, one wider unit (the max pool "
                   "sizes its slots for it)", FIXED, {"wide_units": 1, "options": MAXPOOL}),
     Configuration("zero1", "0.6.1", "FixedPoolAllocator built, ZeRO-1 (gradients not "
-                  "sharded), 1 microbatch", NOT_CHECKED,
-                  {"strategy": "optim", "microbatches": 1}),
-    Configuration("hsdp", "0.6.1", "HSDP: 4 ranks, DP-Outer 2 x DP-Shard 2, ZeRO-3, "
-                  "1 microbatch (hsdp_grad_comm pool built, idle without grad_comm_dtype)",
-                  FIXED, {"world": 4, "outer": 2, "microbatches": 1}),
+                  "sharded)", NOT_CHECKED, {"strategy": "optim"}, OVERWRITE),
+    Configuration("zero1-1mb", "0.6.1", "control: ZeRO-1 as above, 1 microbatch (nothing "
+                  "accumulated)", NOT_CHECKED, {"strategy": "optim", "microbatches": 1}),
+    Configuration("hsdp", "0.6.1", "HSDP: 4 ranks, DP-Outer 2 x DP-Shard 2, ZeRO-3 "
+                  "(hsdp_grad_comm pool built, idle without grad_comm_dtype)",
+                  FIXED, {"world": 4, "outer": 2}),
     Configuration("hsdp-grad-comm", "0.6.1", "HSDP as above, gradients reduced in bfloat16 "
                   "(grad_comm_dtype): slots of the hsdp_grad_comm pool in use", FIXED,
-                  {"world": 4, "outer": 2, "microbatches": 1, "grad_comm_dtype": "bfloat16"}),
+                  {"world": 4, "outer": 2, "grad_comm_dtype": "bfloat16"}),
     Configuration("main-zero3", "git:main", "NVIDIA main (with PR #6357), FixedPool, ZeRO-3",
                   FIXED),
     Configuration("main-zero2", "git:main", "NVIDIA main (PR #6357: ZeRO-2 FSDP units), "
@@ -89,7 +99,7 @@ CONFIGURATIONS = (
     Configuration("main-maxpool-zero2", "git:main", "NVIDIA main, MaxPool, ZeRO-2", FIXED,
                   {"strategy": "optim_grads", "options": MAXPOOL}),
     Configuration("main-zero1", "git:main", "NVIDIA main (PR #6357: ZeRO-1 fused wgrad), "
-                  "ZeRO-1, 1 microbatch", NOT_CHECKED, {"strategy": "optim", "microbatches": 1}),
+                  "ZeRO-1", NOT_CHECKED, {"strategy": "optim"}),
     Configuration("pr6316-count3", "git:pull-request/6316",
                   "PR #6316 (fsdp_buffer_count, on NVIDIA dev), fsdp_buffer_count=3", FIXED,
                   {"options": {"fsdp_buffer_count": 3}}),
@@ -114,12 +124,20 @@ CONFIGURATIONS = (
     Configuration("pr6316-rebuilt-zero2-count3", "snapshot:pr6316",
                   "PR #6316 rebuilt, FixedPool, ZeRO-2, fsdp_buffer_count=3", FIXED,
                   {"strategy": "optim_grads", "options": {"fsdp_buffer_count": 3}}),
-    Configuration("control-zero1-2mb", "0.6.1", "control: ZeRO-1, 2 microbatches, "
+    Configuration("control-zero1-2mb", "0.6.1", "control: ZeRO-1, "
                   "fsdp_double_buffer=False", CONTROL,
-                  {"strategy": "optim", "double_buffer": False}),
-    Configuration("control-hsdp-2mb", "0.6.1", "control: HSDP, 2 microbatches, "
+                  {"strategy": "optim", "double_buffer": False}, OVERWRITE),
+    Configuration("control-hsdp-2mb", "0.6.1", "control: HSDP, "
                   "fsdp_double_buffer=False", CONTROL,
                   {"world": 4, "outer": 2, "double_buffer": False}),
+    Configuration("control-zero1-2mb-auto-sync", "0.6.1", "control: ZeRO-1, "
+                  "fsdp_double_buffer=False, auto-sync", CONTROL,
+                  {"strategy": "optim", "double_buffer": False, "protocol": AUTO_SYNC},
+                  OVERWRITE + AUTO),
+    Configuration("control-hsdp-2mb-auto-sync", "0.6.1", "control: HSDP, "
+                  "fsdp_double_buffer=False, auto-sync", CONTROL,
+                  {"world": 4, "outer": 2, "double_buffer": False, "protocol": AUTO_SYNC},
+                  AUTO),
 )
 
 
@@ -169,17 +187,20 @@ def _refusal(log: str) -> str | None:
     return found.group(1).strip() if found else None
 
 
-def _run(result: CaseResult) -> dict[str, Any]:
+def _run(result: CaseResult, row: Configuration) -> dict[str, Any]:
     copies = (result.audit_report or {}).get("copies", [])
     copy = copies[0] if copies else {}
     return {"unordered": result.ordering_violations, "reuses": result.ordering_checks,
             "audit_unordered": result.audit_unordered, "audit_reuses": result.audit_reuses,
             "audit_verdict": result.audit_verdict, "crashed": result.crashed,
             "exception": (result.exception or "")[:200] or None,
-            "max_abs_grad_error": result.max_abs_grad_error,
-            "max_rel_grad_error": result.max_rel_grad_error,
+            # 3 significant digits: a wrong gradient's last digits vary between machines
+            "max_abs_grad_error": accumulation.significant(result.max_abs_grad_error),
+            "max_rel_grad_error": accumulation.significant(result.max_rel_grad_error),
             "bf16": result.spec.grad_comm_dtype == "bfloat16",
             "grads_equal": grads_equal(result),
+            "cause": None if grads_equal(result) else (
+                "; ".join(accumulation.CAUSES[c] for c in row.cause) or None),
             "era": copy.get("era"), "fixes": copy.get("fixes"),
             "grad_pools": copy.get("grad_pools"),
             "grad_pools_unordered": copy.get("grad_pools_unordered"), "note": copy.get("note"),
@@ -188,8 +209,10 @@ def _run(result: CaseResult) -> dict[str, Any]:
 
 def measure(row: Configuration) -> dict[str, Any]:
     """Both runs of one row (one for a control), as plain data."""
+    spec = row.spec("on")
     return {"release": release_label(row.source), "what": row.what, "expect": row.expect,
-            "runs": {mode: _run(run_case(row.spec(mode))) for mode in row.hotfix_modes}}
+            "microbatches": spec.microbatches, "protocol": spec.protocol,
+            "runs": {mode: _run(run_case(row.spec(mode)), row) for mode in row.hotfix_modes}}
 
 
 def load_record() -> dict[str, Any]:
@@ -204,7 +227,8 @@ def _grads(run: dict[str, Any]) -> str:
         return f"equal within bf16 rounding (relative {run['max_rel_grad_error']:.0e})"
     if run["grads_equal"]:
         return "equal" if error == 0 else f"equal (within {error:.0e})"
-    return f"WRONG (max abs error {error:.2g})"
+    names = ", ".join(re.findall(r"(?:release|harness): ([\w-]+)", run["cause"] or ""))
+    return f"WRONG (max abs error {error:.2g}; {names})"
 
 
 def _counts(run: dict[str, Any]) -> str:
@@ -230,17 +254,17 @@ def _per_pool(run: dict[str, Any]) -> str:
 
 def table(record: dict[str, Any]) -> str:
     """The markdown table of docs/CONFIGURATIONS.md, from the record."""
-    lines = ["| configuration | release | shipped: unordered/reuses, audit | shipped, per "
-             "gradient pool (rank 0) | hotfix applied | hotfix: unordered/reuses, audit | "
-             "hotfix: gradients vs reference |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| configuration | release | microbatches, protocol | shipped: unordered/reuses, "
+             "audit | shipped, per gradient pool (rank 0) | hotfix applied | hotfix: "
+             "unordered/reuses, audit | hotfix: gradients vs reference |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in CONFIGURATIONS:
         got = record[row.id]
         runs = got["runs"]
         shipped = runs.get("off")
         fixed = runs["on"]
         lines.append(
-            f"| {got['what']} | {got['release']} | "
+            f"| {got['what']} | {got['release']} | {got['microbatches']}, {got['protocol']} | "
             + (f"{_counts(shipped)}, `{shipped['audit_verdict']}` | {_per_pool(shipped)}"
                if shipped else "— | —")
             + f" | {_hotfix(fixed)} | {_counts(fixed)}, `{fixed['audit_verdict']}` | "

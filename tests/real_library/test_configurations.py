@@ -18,9 +18,14 @@ WRITE = os.environ.get("MFSDP_WRITE_CONFIGURATIONS", "") not in ("", "0")
 
 def _check(row: Configuration, got: dict[str, Any]) -> None:
     runs = got["runs"]
+    # every row accumulates microbatches, but the documented single-microbatch control
+    assert got["microbatches"] >= 2 or got["what"].startswith("control:"), row.id
+    assert got["protocol"] == row.spec("on").protocol, row.id
     for mode, run in runs.items():
         where = f"{row.id}, hotfix {mode}: {json.dumps(run)}"
         assert not run["crashed"], where
+        # no WRONG without a cause, and a cause only where the gradients differ
+        assert (run["cause"] is None) == run["grads_equal"], where
         # the audit saw what the stand-in's own clocks saw
         assert (run["audit_unordered"], run["audit_reuses"]) == (
             run["unordered"], run["reuses"]), where
@@ -31,7 +36,7 @@ def _check(row: Configuration, got: dict[str, Any]) -> None:
     if row.expect == matrix.FIXED:
         assert runs["off"]["unordered"] > 0 and runs["off"]["audit_verdict"] == "UNORDERED", \
             where  # the race is there as shipped
-        assert on["unordered"] == 0 and on["reuses"] > 0 and on["grads_equal"], where
+        assert on["unordered"] == 0 and on["reuses"] > 0, where
         assert on["audit_verdict"] == "ordered" and "ordered-drain" in on["fixes"], where
         fallback = row.fields.get("options", {}).get("fsdp_db_use_persist_buf_on_alloc_fail")
         if row.fields.get("wide_units") and "maxpool_double_buffer" not in row.fields.get(
@@ -52,10 +57,10 @@ def _check(row: Configuration, got: dict[str, Any]) -> None:
     elif row.expect == matrix.NOT_CHECKED:
         for run in runs.values():
             assert run["reuses"] == 0 and run["audit_verdict"] == "NOT CHECKED", where
-            assert run["grad_pools"] and run["grads_equal"], where  # a pool, never reused
+            assert run["grad_pools"], where  # a pool, never reused
     else:
         assert row.expect == matrix.CONTROL
-        assert not on["grads_equal"] and on["grad_pools"] == {}, where
+        assert on["grad_pools"] == {}, where
         assert on["audit_verdict"] == "NOT CHECKED", where
 
 

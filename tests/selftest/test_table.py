@@ -52,4 +52,4 @@ def test_conclusion_is_one_greppable_line() -> None:
 def test_case_labels_are_plain_words() -> None:
     label = CaseSpec(hotfix="off").label()
     assert label == ("the Megatron-FSDP copy importable here, hotfix off (MFSDP_HOTFIX=0), ZeRO-3, "
-                     "double buffer, 5 units, 2 microbatch(es)")
+                     "double buffer, 5 units, 2 microbatch(es), megatron-lm protocol")
