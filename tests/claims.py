@@ -73,7 +73,9 @@ def record(name: str) -> Any:
     ``configurations.json`` (docs/), a set the report scripts load: ``report.py cases``
     (every ``call*.json``), ``audit_report.py cases``, ``gpu_report.py records``; or
     ``python COMMAND``: the tables a report script prints from the records, each a list of rows
-    ``{header: cell}``."""
+    ``{header: cell}``; ``exit statuses``: the commands' exit statuses as the code names them
+    (:func:`exit_statuses`); ``selftest spec``: the CPU selftest's settings (``CaseSpec``'s
+    defaults)."""
     if name == "report.py cases":
         import report
         return report.load(str(VALIDATION))
@@ -83,6 +85,10 @@ def record(name: str) -> Any:
     if name.startswith("python "):
         return [[dict(zip(_cells(t[0]), _cells(row), strict=True)) for row in t[2:]]
                 for t in printed_tables(name[len("python "):])]
+    if name == "exit statuses":
+        return exit_statuses()
+    if name == "selftest spec":
+        return class_defaults("selftest/spec.py", "CaseSpec")
     if name == "gpu_report.py records":
         import gpu_report
         return gpu_report.load(sorted(str(p) for p in VALIDATION.glob("gpu-*.json.gz")))[0]
@@ -206,10 +212,80 @@ VERSIONS = set().union(*RELEASES.values()) | {
     "3.11.7", "3.12.1", "3.12.3",  # Python
     "580.159.04",  # the NVIDIA driver of the GPU records
 }
-UPSTREAM_PRS = {"#146", "#5222", "#6316", "#6357", "#125484"}
-COMMITS = {"d98e8a64dd", "f7b65d4a2e", "34daba1", "3ac3396", "55e4482", "6889a05",
-           "2905781ddb81", "296a923", "2ef7341"}
-EXIT_STATUSES = {0, 1, 2, 3, 4}  # mfsdp_hotfix's commands (docs/AUDIT.md shows them with verdicts)
+# NVIDIA/Megatron-LM PRs: #5222 #5657 #5865 #6187 #6316 #6317 #6318 #6357 #6665 have refs in
+# the clone (refs/pull/N/head, or merged on main); #7001 and #7101 were opened after it was
+# taken (docs/MEGATRON_FSDP_V2.md says so). ROCm/Megatron-LM #146; PyTorch #125484.
+UPSTREAM_PRS = {"#146", "#5222", "#5657", "#5865", "#6187", "#6316", "#6317", "#6318", "#6357",
+                "#6665", "#7001", "#7101", "#125484"}
+# Commits: NVIDIA main and the PR heads as the clone has them (d98e8a64dd main, f7b65d4a2e
+# #6316, a932341e12 #6317, aea2db8a7c #6318, 1c2b310fd1 #6665, d732aa1e2e #5657); the others
+# are ROCm/Megatron-LM's.
+COMMITS = {"d98e8a64dd", "f7b65d4a2e", "a932341e12", "aea2db8a7c", "1c2b310fd1", "d732aa1e2e",
+           "34daba1", "3ac3396", "55e4482", "6889a05", "296a923", "2ef7341"}
+
+
+@functools.cache
+def fingerprints() -> set[str]:
+    """The function fingerprints the code knows (sha256 of a function's text): the registry's
+    shapes and the recorded snapshots. A doc names one by its first 12 hex digits."""
+    return {h for path in (REPO / "mfsdp_hotfix" / "registry.py", REPO / "tests" / "snapshots.py")
+            for h in re.findall(r"\b[0-9a-f]{64}\b", path.read_text())}
+
+
+def code_constants(module: str) -> dict[str, Any]:
+    """The module-level constants of a module of the package (``A = 2``, ``A, B = 0, 1``, a
+    literal dict), read from its source: importing the package would load the hotfix."""
+    import ast
+    out: dict[str, Any] = {}
+    tree = ast.parse((REPO / "mfsdp_hotfix" / module).read_text())
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if target is None or node.value is None:
+            continue
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            continue
+        if isinstance(target, ast.Name):
+            out[target.id] = value
+        elif isinstance(target, ast.Tuple) and isinstance(value, tuple):
+            out.update({t.id: v for t, v in zip(target.elts, value, strict=True)
+                        if isinstance(t, ast.Name)})
+    return out
+
+
+def class_defaults(module: str, name: str) -> dict[str, Any]:
+    """The literal field defaults of a dataclass of the package, read from its source."""
+    import ast
+    (cls,) = [n for n in ast.parse((REPO / "mfsdp_hotfix" / module).read_text()).body
+              if isinstance(n, ast.ClassDef) and n.name == name]
+    out: dict[str, Any] = {}
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
+            try:
+                out[node.target.id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return out
+
+
+@functools.cache
+def exit_statuses() -> dict[str, int]:
+    """Every exit status of mfsdp-hotfix's commands, by the name the code gives it
+    (``cli.py``, ``tree.py``, and the audit's verdicts, ``audit/report.py``)."""
+    cli, tree = code_constants("cli.py"), code_constants("tree.py")
+    audit = code_constants("audit/report.py")
+    out = {name: cli[name] for name in ("USAGE_ERROR", "CHECK_OK", "CHECK_UNFIXED",
+                                        "SELFTEST_PASS", "SELFTEST_FAIL", "SELFTEST_CANNOT_RUN",
+                                        "BROKEN_PIPE", "CANNOT_START")}
+    out.update({name: tree[name] for name in ("NOT_A_FOLDER", "NOTHING_FOUND")})
+    out.update({verdict: code for verdict, (_, _, code) in audit["VERDICTS"].items()})
+    out["SIGNALLED"] = audit["SIGNALLED"]
+    return out
+
+
+EXIT_STATUSES = set(exit_statuses().values())
 DATES = {"2026-08-22", "2026-12-02", "2026-12-03", "2026-12-04"}
 WORDS = {  # identifiers with a digit in their name
     "ZeRO-1", "ZeRO-2", "ZeRO-3", "z1", "z2", "z3", "H200", "one-H200", "nvidia-h200", "fp32",
@@ -217,8 +293,25 @@ WORDS = {  # identifiers with a digit in their name
     "p90", "d0", "d5", "d20", "d50", "16k", "16k-async", "c10d", "sm_90", "python3", "b0", "b1",
     "b2", "rep0", "rep1", "run1", "run42", "fp8_param_gather", "fsdp_fp8_transpose_params",
     "Float8Tensor", "libcupti.so.12", "top-1", "1-microbatch", "2-rank", "2-core", "2-slot",
-    "20-step", "3h", "2x",
+    "20-step", "3h", "2x", "v1", "v2", "1F1B",
 }
+# Line numbers of upstream files, as the doc that cites them names the commit: NVIDIA main at
+# d98e8a64dd (docs/MEGATRON_FSDP_V2.md; each checked against that commit's file).
+UPSTREAM_LINES = {"mcore_fsdp_adapter.py": {52, 672, 673, 743},
+                  "parameter_group.py": {85, 203, 210, 328, 344, 349, 351, 407, 415, 420, 432,
+                                         434, 442},
+                  "module.py": {79, 82, 137, 138, 140, 417, 444, 445, 447, 448, 450, 451, 452},
+                  "dbuffer.py": {112, 117, 443, 448}}
+
+
+@functools.cache
+def pool_sizes() -> set[int]:
+    """The gradient pool sizes N the configuration matrix ran (its rows' settings), and the
+    releases' 2 (``registry.RELEASE_POOL_SIZE``)."""
+    rows = record("configurations.json").values()
+    return {int(n) for row in rows
+            for n in re.findall(r"fsdp_buffer_count=([0-9]+)|([0-9]+) slots", row["what"])
+            for n in n if n} | {code_constants("registry.py")["RELEASE_POOL_SIZE"]}
 
 
 def _release(m: re.Match[str]) -> bool:
@@ -249,7 +342,16 @@ IDENTIFIERS: list[tuple[str, str, Callable[[re.Match[str]], bool]]] = [
     ("upstream PR", r"(?<![\w#])(?:Megatron-LM|PyTorch|pytorch)? ?#\d+\b",
      lambda m: "#" + m[0].split("#")[1] in UPSTREAM_PRS),
     ("commit", r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b",
-     lambda m: m[0] in COMMITS),
+     lambda m: m[0] in COMMITS or (len(m[0]) >= 12 and any(
+         f.startswith(m[0]) for f in fingerprints()))),
+    ("upstream line", r"\blines? [0-9]+(?:–[0-9]+)?(?:(?:, | and )[0-9]+(?:–[0-9]+)?)*",
+     lambda m: all(int(n) in set().union(*UPSTREAM_LINES.values())
+                   for n in re.findall(r"[0-9]+", m[0]))),
+    ("pool size", r"\bN ?= ?[0-9]+(?: and [0-9]+)?\b",
+     lambda m: all(int(n) in pool_sizes() for n in re.findall(r"[0-9]+", m[0]))),
+    ("setting", r"\bmegatron_fsdp_version=[12]\b", lambda m: True),
+    ("doc file", r"\b[\w-]+\.md\b",
+     lambda m: (REPO / m[0]).exists() or (REPO / "docs" / m[0]).exists()),
     ("date", r"\b\d{4}-\d{2}-\d{2}\b", lambda m: m[0] in DATES),
     ("record file", r"\b[\w-]+\.(?:json\.gz|json|txt)\b",
      lambda m: (VALIDATION / m[0]).exists() or (REPO / "docs" / m[0]).exists()),
@@ -740,7 +842,9 @@ claim(VAL, "relative L2 error {:.2f}–{:.2f} against the serialized run for fus
 claim(VAL, "every one of these {} cases ({} releases × {} unit kinds × {} delays) is", REPORT,
       lambda t: (len(hotfix_cells(t)), len({r["release"] for r in t[0]}),
                  len({r["unit"] for r in t[2]}), sum(c.startswith("RS delay") for c in t[0][0]))
-      if set(hotfix_cells(t)) == {"0 (bit-identical)"} else ())
+      # the records predate the bit comparison: "0 (equal values)", which the doc's method
+      # section defines "bit-identical" to mean for these tables
+      if set(hotfix_cells(t)) <= {"0 (bit-identical)", "0 (equal values)"} else ())
 claim(VAL, "all runs at delay {:g}.", CASES, lambda cases: (matrix_delays(cases)[0],))
 claim(VAL, "reproduces the shipped error exactly ({:.3f}, 0.5.1, {:g} ms)", CASES,
       lambda cases: (rel_l2(cases, "fsdp-0.5.1|z2|fused|fake|db+hotfix(MFSDP_HOTFIX=0)|d20"),
@@ -918,6 +1022,38 @@ claim(VAL, "report {} unordered of {} reuses (ZeRO-2 and ZeRO-3, 2 microbatches;
 claim(VAL, "the same reuses corrupt the gradients ({:.3f})", AUDIT_TABLES,
       lambda t: (only(num(r["grads vs serialized truth"]) for r in t[0]
                       if r["run"].startswith("as shipped") and r["release"] != "fsdp-0.4.0"),))
+
+
+# ---------------------------------------------------------------------------------------------
+# The command's exit statuses (docs/CLI.md, docs/STATUS_PATH.md), from the code's constants.
+
+EXITS = "exit statuses"
+claim("docs/CLI.md", "## Exit statuses | command | {} | {} | {} | other |", EXITS,
+      lambda e: (only((e["CHECK_OK"], e["SELFTEST_PASS"], e["ordered"])),
+                 only((e["CHECK_UNFIXED"], e["SELFTEST_FAIL"])),
+                 only((e["USAGE_ERROR"], e["SELFTEST_CANNOT_RUN"]))))
+claim("docs/CLI.md", "the COMMAND after ) | {}: the reader of the output went away", EXITS,
+      lambda e: (e["BROKEN_PIPE"],))
+claim("docs/CLI.md", "| | usage error | {}: COMMAND cannot be started |", EXITS,
+      lambda e: (e["CANNOT_START"],))
+claim("docs/CLI.md", "COMMAND's status when it failed ({} + N after signal N); else {} for or , {} "
+      "when nothing or not everything was checked ( , , , ); {}: COMMAND cannot be started",
+      EXITS, lambda e: (e["SIGNALLED"], only((e["UNORDERED"], e["CRASH"])),
+                        only((e["UNWATCHED"], e["INCOMPLETE"], e["NOT CHECKED"], e["NO DATA"])),
+                        e["CANNOT_START"]))
+claim("docs/STATUS_PATH.md", "| {} | the copies were judged (with : and none would be left "
+      "unfixed) | | {} | only: an affected copy would be left unfixed", EXITS,
+      lambda e: (e["CHECK_OK"], e["CHECK_UNFIXED"]))
+claim("docs/STATUS_PATH.md", "| {} | does not exist, is a file", EXITS,
+      lambda e: (e["NOT_A_FOLDER"],))
+claim("docs/STATUS_PATH.md", "| {} | holds no Megatron-FSDP copy", EXITS,
+      lambda e: (e["NOTHING_FOUND"],))
+claim("docs/STATUS_PATH.md", "For {} and {} the message goes to stderr", EXITS,
+      lambda e: (e["NOT_A_FOLDER"], e["NOTHING_FOUND"]))
+claim("docs/CLI.md", "on CPU ({} gloo ranks), without and with the hotfix", "selftest spec",
+      lambda spec: (spec["world"],))
+claim("docs/MEGATRON_FSDP_V2.md", "and exits with {}. It is never", EXITS,
+      lambda e: (e["UNWATCHED"],))
 
 
 if __name__ == "__main__":
