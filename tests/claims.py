@@ -74,7 +74,8 @@ def record(name: str) -> Any:
     (every ``call*.json``), ``audit_report.py cases``, ``gpu_report.py records``; or
     ``python COMMAND``: the tables a report script prints from the records, each a list of rows
     ``{header: cell}``; ``exit statuses``: the commands' exit statuses as the code names them
-    (:func:`exit_statuses`); ``selftest spec``: the CPU selftest's settings (``CaseSpec``'s
+    (:func:`exit_statuses`); ``code PATH``: a source file's constants (:func:`code`);
+    ``selftest spec``: the CPU selftest's settings (``CaseSpec``'s
     defaults)."""
     if name == "report.py cases":
         import report
@@ -87,6 +88,8 @@ def record(name: str) -> Any:
                 for t in printed_tables(name[len("python "):])]
     if name == "exit statuses":
         return exit_statuses()
+    if name.startswith("code "):
+        return code(name[len("code "):])
     if name == "selftest spec":
         return class_defaults("selftest/spec.py", "CaseSpec")
     if name == "gpu_report.py records":
@@ -232,12 +235,27 @@ def fingerprints() -> set[str]:
             for h in re.findall(r"\b[0-9a-f]{64}\b", path.read_text())}
 
 
+@functools.cache
 def code_constants(module: str) -> dict[str, Any]:
     """The module-level constants of a module of the package (``A = 2``, ``A, B = 0, 1``, a
     literal dict), read from its source: importing the package would load the hotfix."""
+    return code("mfsdp_hotfix/" + module)
+
+
+@functools.cache
+def code(path: str) -> dict[str, Any]:
+    """A source file's module-level literal constants, and the literal defaults of its
+    command-line options (``"--gpus": 2``), read from its syntax tree."""
     import ast
     out: dict[str, Any] = {}
-    tree = ast.parse((REPO / "mfsdp_hotfix" / module).read_text())
+    tree = ast.parse((REPO / path).read_text())
+    for call in ast.walk(tree):
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "add_argument" and call.args
+                and isinstance(call.args[0], ast.Constant)):
+            for kw in call.keywords:
+                if kw.arg == "default" and isinstance(kw.value, ast.Constant):
+                    out[call.args[0].value] = kw.value.value
     for node in tree.body:
         target = node.target if isinstance(node, ast.AnnAssign) else (
             node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
@@ -334,7 +352,8 @@ IDENTIFIERS: list[tuple[str, str, Callable[[re.Match[str]], bool]]] = [
     ("exit status", r"\b(?:[Ee]xit(?:s| status| code)?|status) \(?[0-9]+\b(?: \([A-Z]+\))?"
                     r"(?:(?:, | or )[0-9]+ \([A-Za-z]+\)?)*", lambda m: all(
                         int(x) in EXIT_STATUSES for x in re.findall(r"[0-9]+", m[0]))),
-    ("index", r"\b(?:[Rr]ank|[Uu]nit|slot) [0-9]\b", lambda m: True),
+    ("index", r"\b(?:[Rr]ank|[Uu]nit|slot|rule) [0-9]\b", lambda m: True),
+    ("at least", r"(?<![\w.])[23]\+(?= (?:ranks|FSDP units)\b)", lambda m: True),
     ("section", r"§\d+\b", lambda m: m[0] in {"§0", "§1", "§2", "§3", "§4", "§5"}),
     ("Python", r"\bPython 3\.\d+(?:\.\d+)?",
      lambda m: m[0][7:] in {"3.11", "3.11.7", "3.12", "3.12.1", "3.12.3"}),
@@ -344,11 +363,13 @@ IDENTIFIERS: list[tuple[str, str, Callable[[re.Match[str]], bool]]] = [
     ("commit", r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b",
      lambda m: m[0] in COMMITS or (len(m[0]) >= 12 and any(
          f.startswith(m[0]) for f in fingerprints()))),
-    ("upstream line", r"\blines? [0-9]+(?:–[0-9]+)?(?:(?:, | and )[0-9]+(?:–[0-9]+)?)*",
+    ("upstream line", r"\b[Ll]ines? [0-9]+(?:–[0-9]+)?(?:(?:, | and )[0-9]+(?:–[0-9]+)?)*",
      lambda m: all(int(n) in set().union(*UPSTREAM_LINES.values())
                    for n in re.findall(r"[0-9]+", m[0]))),
-    ("pool size", r"\bN ?= ?[0-9]+(?: and [0-9]+)?\b",
+    ("pool size", r"\bN ?>?= ?[0-9]+(?: and [0-9]+)?\b|\bat least [0-9]+(?= with combined 1F1B)",
      lambda m: all(int(n) in pool_sizes() for n in re.findall(r"[0-9]+", m[0]))),
+    ("release's", r"(?<![\w.])0\.[0-9]+(?='s\b)|(?<=[0-9a-f]{12} \()0\.[0-9]+(?=\))",
+     lambda m: any(v.startswith(m[0] + ".") for v in VERSIONS | {"0.13.0"})),
     ("setting", r"\bmegatron_fsdp_version=[12]\b", lambda m: True),
     ("doc file", r"\b[\w-]+\.md\b",
      lambda m: (REPO / m[0]).exists() or (REPO / "docs" / m[0]).exists()),
@@ -1054,6 +1075,73 @@ claim("docs/CLI.md", "on CPU ({} gloo ranks), without and with the hotfix", "sel
       lambda spec: (spec["world"],))
 claim("docs/MEGATRON_FSDP_V2.md", "and exits with {}. It is never", EXITS,
       lambda e: (e["UNWATCHED"],))
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/N_SLOT_POOLS.md: the N-slot rows of the configuration matrix, the releases' pool size.
+
+NSLOT, CONFIGS = "docs/N_SLOT_POOLS.md", "configurations.json"
+REGISTRY = "code mfsdp_hotfix/registry.py"
+
+
+def nslot_row(rows: dict[str, Any], key: str) -> tuple[int, ...]:
+    """A row's pool size N, then unordered and reuses as shipped and with the hotfix (the
+    selftest's count, which the audit's must equal), when the gradients were equal in both."""
+    row = rows[key]
+    (n,) = [int(a or b) for a, b in re.findall(r"fsdp_buffer_count=([0-9]+)|([0-9]+) slots",
+                                               row["what"])]
+    off, on = row["runs"]["off"], row["runs"]["on"]
+    if not (off["grads_equal"] and on["grads_equal"]):
+        return ()
+    return (n, *(only((r[k], r["audit_" + k])) for r in (off, on)
+                 for k in ("unordered", "reuses")))
+
+
+for label, pool, zero, key in (
+        ("PR #6316 rebuilt (CI)", "FixedPool", 3, "pr6316-rebuilt-fixedpool-count3"),
+        ("PR #6316 rebuilt (CI)", "FixedPool", 3, "pr6316-rebuilt-fixedpool-count4"),
+        ("PR #6316 rebuilt (CI)", "MaxPool", 3, "pr6316-rebuilt-maxpool-count3"),
+        ("PR #6316 rebuilt (CI)", "MaxPool", 3, "pr6316-rebuilt-maxpool-count4"),
+        ("PR #6316 rebuilt (CI)", "FixedPool", 2, "pr6316-rebuilt-zero2-count3"),
+        ("PR #6316 @f7b65d4a2e (local clone)", "FixedPool", 3, "pr6316-count3"),
+        ("PR #6317 @a932341e12 (local clone)", "FixedPool", 3, "pr6317-count3"),
+        ("PR #6318 @aea2db8a7c (local clone)", "FixedPool", 3, "pr6318-count3"),
+        ("PR #6665 @1c2b310fd1 (local clone)", "FixedPool", 3, "pr6665-count3")):
+    claim(NSLOT, f"| {label} | {pool}, ZeRO-{zero}, N={{}} | {{}}/{{}} | {{}}/{{}} | equal |",
+          CONFIGS, functools.partial(nslot_row, key=key))
+claim(NSLOT, "| PR #5657 @d732aa1e2e (local clone) | MaxPool, ZeRO-3, {} slots | {}/{} | {}/{} | "
+      "equal |", CONFIGS, functools.partial(nslot_row, key="pr5657-maxpool-count3"))
+claim(NSLOT, "the real PR's N={} FixedPool run gives the same counts ({}/{} as shipped, {}/{} with "
+      "the hotfix)", CONFIGS, lambda rows: nslot_row(rows, "pr6316-count3") if nslot_row(
+          rows, "pr6316-count3") == nslot_row(rows, "pr6316-rebuilt-fixedpool-count3") else ())
+# The releases build two slots; #6316 keeps that as fsdp_buffer_count's default (its config at
+# f7b65d4a2e) and #5657 as the size when its option is off.
+claim(NSLOT, "(default {}; the Megatron-LM adapter", REGISTRY,
+      lambda c: (c["RELEASE_POOL_SIZE"],))
+claim(NSLOT, "drain with the constant {} replaced by", REGISTRY,
+      lambda c: (c["RELEASE_POOL_SIZE"],))
+claim(NSLOT, "among N slots instead of {}.", REGISTRY, lambda c: (c["RELEASE_POOL_SIZE"],))
+claim(NSLOT, "or {} where the release has no such option", REGISTRY,
+      lambda c: (c["RELEASE_POOL_SIZE"],))
+
+
+def drain_live_units(series: str) -> int:
+    """The units a release's drain shape keeps live (``Shape("0.19", ..., live_units=2)``)."""
+    text = (REPO / "mfsdp_hotfix" / "registry.py").read_text()
+    return int(only(re.findall(rf'Shape\("{re.escape(series)}",[^)]*?live_units=([0-9]+)', text)))
+
+
+claim(NSLOT, "kept 0.19's drain, which keeps {} units live in a pool of N", REGISTRY,
+      lambda c: (drain_live_units("0.19"),))
+
+# ---------------------------------------------------------------------------------------------
+# docs/MEGATRON_FSDP_V2.md: v1's pool, and what validation/v2_gpu.py runs.
+
+V2 = "docs/MEGATRON_FSDP_V2.md"
+claim(V2, "a fixed pool of {} slots", REGISTRY, lambda c: (c["RELEASE_POOL_SIZE"],))
+claim(V2, "This runs v2 through NCCL on {} GPUs: {} units, {} steps, inputs that differ per rank, "
+      "and a {:g} ms GPU sleep", "code validation/v2_gpu.py",
+      lambda c: (c["--gpus"], c["UNITS"], c["STEPS"], c["--delay-ms"]))
 
 
 if __name__ == "__main__":
