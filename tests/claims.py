@@ -371,6 +371,8 @@ IDENTIFIERS: list[tuple[str, str, Callable[[re.Match[str]], bool]]] = [
     ("release's", r"(?<![\w.])0\.[0-9]+(?='s\b)|(?<=[0-9a-f]{12} \()0\.[0-9]+(?=\))",
      lambda m: any(v.startswith(m[0] + ".") for v in VERSIONS | {"0.13.0"})),
     ("setting", r"\bmegatron_fsdp_version=[12]\b", lambda m: True),
+    ("license", r"\bApache License 2\.0\b", lambda m: True),
+    ("notation", r'"0 \(equal values\)" means both are exactly 0', lambda m: True),
     ("doc file", r"\b[\w-]+\.md\b",
      lambda m: (REPO / m[0]).exists() or (REPO / "docs" / m[0]).exists()),
     ("date", r"\b\d{4}-\d{2}-\d{2}\b", lambda m: m[0] in DATES),
@@ -1053,27 +1055,26 @@ claim("docs/CLI.md", "## Exit statuses | command | {} | {} | {} | other |", EXIT
       lambda e: (only((e["CHECK_OK"], e["SELFTEST_PASS"], e["ordered"])),
                  only((e["CHECK_UNFIXED"], e["SELFTEST_FAIL"])),
                  only((e["USAGE_ERROR"], e["SELFTEST_CANNOT_RUN"]))))
-claim("docs/CLI.md", "the COMMAND after ) | {}: the reader of the output went away", EXITS,
+claim("docs/CLI.md", "| {}: the reader of the output went away", EXITS,
       lambda e: (e["BROKEN_PIPE"],))
-claim("docs/CLI.md", "| | usage error | {}: COMMAND cannot be started |", EXITS,
+claim("docs/CLI.md", "{}: COMMAND cannot be started", EXITS,  # run's and audit's
       lambda e: (e["CANNOT_START"],))
-claim("docs/CLI.md", "COMMAND's status when it failed ({} + N after signal N); else {} for or , {} "
-      "when nothing or not everything was checked ( , , , ); {}: COMMAND cannot be started",
-      EXITS, lambda e: (e["SIGNALLED"], only((e["UNORDERED"], e["CRASH"])),
-                        only((e["UNWATCHED"], e["INCOMPLETE"], e["NOT CHECKED"], e["NO DATA"])),
-                        e["CANNOT_START"]))
-claim("docs/STATUS_PATH.md", "| {} | the copies were judged (with : and none would be left "
-      "unfixed) | | {} | only: an affected copy would be left unfixed", EXITS,
-      lambda e: (e["CHECK_OK"], e["CHECK_UNFIXED"]))
-claim("docs/STATUS_PATH.md", "| {} | does not exist, is a file", EXITS,
-      lambda e: (e["NOT_A_FOLDER"],))
-claim("docs/STATUS_PATH.md", "| {} | holds no Megatron-FSDP copy", EXITS,
+claim("docs/CLI.md", "COMMAND's status when it failed ({} + N after signal N); else {} for",
+      EXITS, lambda e: (e["SIGNALLED"], only((e["UNORDERED"], e["CRASH"]))))
+claim("docs/CLI.md", "{} when nothing or not everything was checked", EXITS,
+      lambda e: (only((e["UNWATCHED"], e["INCOMPLETE"], e["NOT CHECKED"], e["NO DATA"])),))
+claim("docs/STATUS_PATH.md", "| {} | the copies were judged (with", EXITS,
+      lambda e: (e["CHECK_OK"],))
+claim("docs/STATUS_PATH.md", "and none would be left unfixed) | | {} |", EXITS,
+      lambda e: (e["CHECK_UNFIXED"],))
+claim("docs/STATUS_PATH.md", "says which | | {} |", EXITS, lambda e: (e["NOT_A_FOLDER"],))
+claim("docs/STATUS_PATH.md", "or cannot be read | | {} |", EXITS,
       lambda e: (e["NOTHING_FOUND"],))
 claim("docs/STATUS_PATH.md", "For {} and {} the message goes to stderr", EXITS,
       lambda e: (e["NOT_A_FOLDER"], e["NOTHING_FOUND"]))
 claim("docs/CLI.md", "on CPU ({} gloo ranks), without and with the hotfix", "selftest spec",
       lambda spec: (spec["world"],))
-claim("docs/MEGATRON_FSDP_V2.md", "and exits with {}. It is never", EXITS,
+claim("docs/MEGATRON_FSDP_V2.md", "exits with {}. It is never", EXITS,
       lambda e: (e["UNWATCHED"],))
 
 
@@ -1139,9 +1140,104 @@ claim(NSLOT, "kept 0.19's drain, which keeps {} units live in a pool of N", REGI
 
 V2 = "docs/MEGATRON_FSDP_V2.md"
 claim(V2, "a fixed pool of {} slots", REGISTRY, lambda c: (c["RELEASE_POOL_SIZE"],))
-claim(V2, "This runs v2 through NCCL on {} GPUs: {} units, {} steps, inputs that differ per rank, "
-      "and a {:g} ms GPU sleep", "code validation/v2_gpu.py",
-      lambda c: (c["--gpus"], c["UNITS"], c["STEPS"], c["--delay-ms"]))
+claim(V2, "This runs v2 through NCCL on {} GPUs: {}", "code validation/v2_gpu.py",
+      lambda c: (c["--gpus"], c["UNITS"]))
+claim(V2, "units, {} steps, inputs that differ per rank, and a {:g} ms GPU sleep",
+      "code validation/v2_gpu.py", lambda c: (c["STEPS"], c["--delay-ms"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# README.md: what the code fixes (the releases' pool, the selftest's ranks, the matrix's rows).
+
+claim(README, "come from a fixed pool of {} slots", REGISTRY, lambda c: (c["RELEASE_POOL_SIZE"],))
+claim(README, "with real Megatron-FSDP on CPU ({} gloo ranks) without and with the hotfix",
+      "selftest spec", lambda spec: (spec["world"],))
+claim(README, "CPU (real Megatron-FSDP, {} gloo ranks, in the tests)", "selftest spec",
+      lambda spec: (spec["world"],))
+claim(README, "The {} configuration tests of NVIDIA main and PR #6316", CONFIGS,
+      lambda rows: (sum(r["release"].startswith(("NVIDIA main @", "PR #6316 @"))
+                        for r in rows.values()),))
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/PERFORMANCE.md: the benchmark's settings, as its record states them.
+
+claim(PERF, "Model: {} FSDP units, each TE", BENCH, lambda doc: (doc["size"]["units"],))
+claim(PERF, "h {}, ffn {}, measured at", BENCH,
+      lambda doc: (doc["size"]["hidden"], doc["size"]["ffn"]))
+claim(PERF, "B parameters, bf16; {} tokens × {} microbatches per step; {} warm-up and {} timed "
+      "steps (CUDA events) per run", BENCH,
+      lambda doc: tuple(doc["size"][k] for k in ("tokens", "microbatches", "warmup", "steps")))
+claim(PERF, "then again), {} repetitions; ratios are taken", BENCH, lambda doc: (doc["reps"],))
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/VALIDATION.md, "What the raw records hold": counts and times of the raw GPU records.
+
+def utc_time(stamp: str) -> str:
+    """``2026-12-04 13:59:35`` -> ``13:59:35`` (the records' ``date_utc``/``written_utc``)."""
+    return stamp.split(" ")[1]
+
+
+def first_run() -> list[dict[str, Any]]:
+    """The raw files of the first GPU run of the fuzzer/TE era (TE matrix and long runs)."""
+    return [record("gpu-call1-te.json.gz"), record("gpu-call1-long.json.gz")]
+
+
+def second_run() -> list[dict[str, Any]]:
+    return [record("gpu-call2-fuzz.json.gz"), record("gpu-call2-oracles.json.gz")]
+
+
+def spec_counts(raw: dict[str, Any], *keys: str) -> tuple[int, ...]:
+    """Records, then the distinct values of each spec key among them."""
+    return (len(raw["records"]), *(len({r["spec"][k] for r in raw["records"]}) for k in keys))
+
+
+claim(VAL, "besides their own {:,} fuzz and {} oracle records", "gpu-call2-fuzz.json.gz",
+      lambda raw: (len(raw["records"]), len(record("gpu-call2-oracles.json.gz")["records"])))
+claim(VAL, "Each of those {:,} extra records is identical", "gpu-call1-te.json.gz",
+      lambda _: (sum(len(f["records"]) for f in first_run()),))
+claim(VAL, "(each of their {:,} records exactly once), and each started before the second run "
+      "began ({} UTC), inside the first run's window ({}–{} UTC)", "gpu-call1-te.json.gz",
+      lambda _: (sum(len(f["records"]) for f in first_run()),
+                 min(utc_time(f["date_utc"]) for f in second_run()),
+                 min(utc_time(f["date_utc"]) for f in first_run()),
+                 max(utc_time(f["written_utc"]) for f in first_run())))
+claim(VAL, "cases, each once: {:,} fuzz records ({} seeds × {} releases × shipped/hotfix × "
+      "serialized and asynchronous) and {} oracle records ({} seeds × {} releases × {} variants "
+      "× serialized", "gpu-call2-fuzz.json.gz",
+      lambda raw: (*spec_counts(raw, "seed", "release"),
+                   *spec_counts(record("gpu-call2-oracles.json.gz"), "seed", "release",
+                                "oracle_variant")))
+claim(VAL, "These {} cases ({} shipped, {} hotfix) were counted as crashes", TE,
+      lambda rows: (sum(r["outcome"] == "unsupported" for r in rows),
+                    *(sum(r["outcome"] == "unsupported" and r["variant"] == v for r in rows)
+                      for v in ("shipped", "hotfix"))))
+claim(VAL, "({} shipped and {} hotfix cases): that release", TE,
+      lambda rows: tuple(sum(r["outcome"] == "unsupported" and r["variant"] == v for r in rows)
+                         for v in ("shipped", "hotfix")))
+claim(VAL, "every real-TE case that the release itself can run ({} of {})", TE,
+      lambda rows: (sum(r["outcome"] == "exact" for r in rows if r["variant"] == "hotfix"),
+                    sum(r["outcome"] != "unsupported" for r in rows if r["variant"] == "hotfix")))
+
+
+
+def raw_gpu_records() -> list[dict[str, Any]]:
+    """Every record of the committed raw GPU files."""
+    return [r for p in sorted(VALIDATION.glob("gpu-*.json.gz")) for r in record(p.name)["records"]]
+
+
+claim(VAL, "one compared {} or {} steps. The GPTModel records", "gpu-call2-fuzz.json.gz",
+      lambda _: tuple(sorted({r["comparison"]["steps_compared"] for r in raw_gpu_records()
+                              if (r.get("comparison") or {}).get("outcome") == "exact"})))
+claim(VAL, "(TE {} in each of the {:,} real-TE records of the raw files above that ran)",
+      "gpu-call2-fuzz.json.gz",
+      lambda _: (only(r["te_version"] for r in raw_gpu_records() if r.get("te_version")),
+                 sum(bool(r.get("te_version")) for r in raw_gpu_records())))
+claim(VAL, "0.5.1: **{:.3f}** with the plain fake group, **{:g} (equal values)** with NCCL work "
+      "semantics", CASES,
+      lambda cases: (rel_l2(cases, "fsdp-0.5.1|z3|fused+head|fake|nodb|d0|big"),
+                     rel_l2(cases, "fsdp-0.5.1|z3|fused+head|nccl_sem|nodb|d0|big")))
 
 
 if __name__ == "__main__":
