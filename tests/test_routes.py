@@ -86,6 +86,11 @@ ROUTES = {
     "/tmp/mfsdp-try/bin/mfsdp-hotfix selftest": "test_the_try_it_route_names_the_torch_it_installs",
     "pip install .": "installed.py (the fixture) and test_the_install_is_a_wheel_not_the_checkout",
     "mfsdp-hotfix status": "test_status",
+    "mfsdp-hotfix status --path DIR": "test_status_path",
+    "mfsdp-hotfix help": "test_version_and_help",
+    "mfsdp-hotfix --version": "test_version_and_help",
+    "mfsdp-hotfix audit --out audit/example -- torchrun --nproc-per-node 2 examples/train_fsdp.py":
+        "test_the_example_job_through_the_audit",
     "mfsdp-hotfix": "test_no_command_or_an_unknown_one",
     "python -m mfsdp_hotfix status": "test_status",
     "mfsdp-hotfix selftest": "test_selftest",
@@ -150,6 +155,18 @@ def test_status(installed: Installed) -> None:
     assert (module.returncode, module.stdout, module.stderr) == (0, plain.stdout, "")
     check = installed.sh("mfsdp-hotfix status --check >/dev/null && mfsdp-hotfix status --json")
     assert check.returncode == 0 and json.loads(check.stdout)["unfixed"] == []
+
+
+def test_status_path(installed: Installed) -> None:
+    """``status --path DIR`` on the installed environment's site-packages folder: the verdict
+    for the release installed there, read from disk without importing it."""
+    site = installed.sh("python -c \"import sysconfig; print(sysconfig.get_paths()['purelib'])\"")
+    folder = site.stdout.strip()
+    proc = installed.sh(readme("mfsdp-hotfix status --path DIR", DIR=folder))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert f"for the folder {folder}, read from disk (nothing imported):" in proc.stdout
+    assert "- megatron-fsdp 0.5.1: era B, " in proc.stdout, proc.stdout
+    assert "    ordered-drain: would apply (" in proc.stdout, proc.stdout
 
 
 def test_switched_off(installed: Installed) -> None:
@@ -259,8 +276,10 @@ def test_the_example_job_through_the_audit(installed: Installed) -> None:
     rank files unless --overwrite is given."""
     shutil.copy(REPO / "examples" / "train_fsdp.py", installed.work / "train_fsdp.py")
     shutil.rmtree(installed.work / "audit", ignore_errors=True)
-    command = ("mfsdp-hotfix audit --out audit/example -- torchrun --standalone "
-               "--nproc-per-node 2 train_fsdp.py")
+    changes = {"torchrun --nproc": "torchrun --standalone --nproc",
+               "examples/train_fsdp.py": "train_fsdp.py"}
+    command = readme("mfsdp-hotfix audit --out audit/example -- torchrun --nproc-per-node 2 "
+                     "examples/train_fsdp.py", **changes)
     proc = installed.sh(command)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert proc.stderr.startswith(f"mfsdp-hotfix audit: created the folder "
