@@ -1147,16 +1147,13 @@ claim(V2, "units, {} steps, inputs that differ per rank, and a {:g} ms GPU sleep
 
 
 # ---------------------------------------------------------------------------------------------
-# README.md: what the code fixes (the releases' pool, the selftest's ranks, the matrix's rows).
+# README.md: what the code fixes (the releases' pool, the selftest's ranks).
 
 claim(README, "come from a fixed pool of {} slots", REGISTRY, lambda c: (c["RELEASE_POOL_SIZE"],))
 claim(README, "with real Megatron-FSDP on CPU ({} gloo ranks) without and with the hotfix",
       "selftest spec", lambda spec: (spec["world"],))
 claim(README, "CPU (real Megatron-FSDP, {} gloo ranks, in the tests)", "selftest spec",
       lambda spec: (spec["world"],))
-claim(README, "The {} configuration tests of NVIDIA main and PR #6316", CONFIGS,
-      lambda rows: (sum(r["release"].startswith(("NVIDIA main @", "PR #6316 @"))
-                        for r in rows.values()),))
 
 
 # ---------------------------------------------------------------------------------------------
