@@ -32,6 +32,9 @@ GPU_ONLY = ("gpus", "layer", "delay_ms", "zero", "dtype", "timeout")
 # A reader that closed the pipe early (``mfsdp-hotfix status | head -1``): the shell's status
 # for a command killed by SIGPIPE.
 BROKEN_PIPE = 141
+# ``run`` and ``audit`` when COMMAND cannot be started (the shell's status for a command not
+# found or not executable).
+CANNOT_START = 127
 DESCRIPTION = ("Runtime repair of Megatron-FSDP's gradient double-buffer race. 'status' and "
                "'bootstrap-path' work without torch; 'selftest' needs torch and a Megatron-FSDP "
                "copy; 'run' starts a command with the hotfix loaded in every Python process; "
@@ -465,7 +468,7 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser,
         child = subprocess.Popen(command, env=env)
     except OSError as exc:
         print(f"mfsdp-hotfix audit: cannot start {command[0]!r}: {exc}", file=sys.stderr)
-        return 127
+        return CANNOT_START
     while True:
         try:
             status = child.wait()
@@ -530,7 +533,7 @@ def _run(command: list[str], parser: argparse.ArgumentParser) -> int:
         os.execvp(command[0], command)
     except OSError as exc:
         print(f"mfsdp-hotfix run: cannot start {command[0]!r}: {exc}", file=sys.stderr)
-        return 127
+        return CANNOT_START
 
 
 def _site_dirs() -> list[str]:

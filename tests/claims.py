@@ -73,7 +73,10 @@ def record(name: str) -> Any:
     ``configurations.json`` (docs/), a set the report scripts load: ``report.py cases``
     (every ``call*.json``), ``audit_report.py cases``, ``gpu_report.py records``; or
     ``python COMMAND``: the tables a report script prints from the records, each a list of rows
-    ``{header: cell}``."""
+    ``{header: cell}``; ``exit statuses``: the commands' exit statuses as the code names them
+    (:func:`exit_statuses`); ``code PATH``: a source file's constants (:func:`code`);
+    ``selftest spec``: the CPU selftest's settings (``CaseSpec``'s
+    defaults)."""
     if name == "report.py cases":
         import report
         return report.load(str(VALIDATION))
@@ -83,6 +86,12 @@ def record(name: str) -> Any:
     if name.startswith("python "):
         return [[dict(zip(_cells(t[0]), _cells(row), strict=True)) for row in t[2:]]
                 for t in printed_tables(name[len("python "):])]
+    if name == "exit statuses":
+        return exit_statuses()
+    if name.startswith("code "):
+        return code(name[len("code "):])
+    if name == "selftest spec":
+        return class_defaults("selftest/spec.py", "CaseSpec")
     if name == "gpu_report.py records":
         import gpu_report
         return gpu_report.load(sorted(str(p) for p in VALIDATION.glob("gpu-*.json.gz")))[0]
@@ -207,10 +216,95 @@ VERSIONS = set().union(*RELEASES.values()) | {
     "3.11.7", "3.12.1", "3.12.3",  # Python
     "580.159.04",  # the NVIDIA driver of the GPU records
 }
-UPSTREAM_PRS = {"#146", "#5222", "#6316", "#6357", "#6773", "#125484"}
-COMMITS = {"d98e8a64dd", "f7b65d4a2e", "34daba1", "3ac3396", "55e4482", "6889a05",
-           "2905781ddb81", "296a923", "2ef7341"}
-EXIT_STATUSES = {0, 1, 2, 3, 4}  # mfsdp_hotfix's commands (docs/AUDIT.md shows them with verdicts)
+# NVIDIA/Megatron-LM PRs: #5222 #5657 #5865 #6187 #6316 #6317 #6318 #6357 #6665 #6773 have refs in
+# the clone (refs/pull/N/head, or merged on main); #7001 and #7101 were opened after it was
+# taken (docs/MEGATRON_FSDP_V2.md says so). ROCm/Megatron-LM #146; PyTorch #125484.
+UPSTREAM_PRS = {"#146", "#5222", "#5657", "#5865", "#6187", "#6316", "#6317", "#6318", "#6357",
+                "#6665", "#6773", "#7001", "#7101", "#125484"}
+# Commits: NVIDIA main and the PR heads as the clone has them (d98e8a64dd main, f7b65d4a2e
+# #6316, a932341e12 #6317, aea2db8a7c #6318, 1c2b310fd1 #6665, d732aa1e2e #5657); the others
+# are ROCm/Megatron-LM's.
+COMMITS = {"d98e8a64dd", "f7b65d4a2e", "a932341e12", "aea2db8a7c", "1c2b310fd1", "d732aa1e2e",
+           "34daba1", "3ac3396", "55e4482", "6889a05", "296a923", "2ef7341"}
+
+
+@functools.cache
+def fingerprints() -> set[str]:
+    """The function fingerprints the code knows (sha256 of a function's text): the registry's
+    shapes and the recorded snapshots. A doc names one by its first 12 hex digits."""
+    return {h for path in (REPO / "mfsdp_hotfix" / "registry.py", REPO / "tests" / "snapshots.py")
+            for h in re.findall(r"\b[0-9a-f]{64}\b", path.read_text())}
+
+
+@functools.cache
+def code_constants(module: str) -> dict[str, Any]:
+    """The module-level constants of a module of the package (``A = 2``, ``A, B = 0, 1``, a
+    literal dict), read from its source: importing the package would load the hotfix."""
+    return code("mfsdp_hotfix/" + module)
+
+
+@functools.cache
+def code(path: str) -> dict[str, Any]:
+    """A source file's module-level literal constants, and the literal defaults of its
+    command-line options (``"--gpus": 2``), read from its syntax tree."""
+    import ast
+    out: dict[str, Any] = {}
+    tree = ast.parse((REPO / path).read_text())
+    for call in ast.walk(tree):
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "add_argument" and call.args
+                and isinstance(call.args[0], ast.Constant)):
+            for kw in call.keywords:
+                if kw.arg == "default" and isinstance(kw.value, ast.Constant):
+                    out[call.args[0].value] = kw.value.value
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if target is None or node.value is None:
+            continue
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            continue
+        if isinstance(target, ast.Name):
+            out[target.id] = value
+        elif isinstance(target, ast.Tuple) and isinstance(value, tuple):
+            out.update({t.id: v for t, v in zip(target.elts, value, strict=True)
+                        if isinstance(t, ast.Name)})
+    return out
+
+
+def class_defaults(module: str, name: str) -> dict[str, Any]:
+    """The literal field defaults of a dataclass of the package, read from its source."""
+    import ast
+    (cls,) = [n for n in ast.parse((REPO / "mfsdp_hotfix" / module).read_text()).body
+              if isinstance(n, ast.ClassDef) and n.name == name]
+    out: dict[str, Any] = {}
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
+            try:
+                out[node.target.id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return out
+
+
+@functools.cache
+def exit_statuses() -> dict[str, int]:
+    """Every exit status of mfsdp-hotfix's commands, by the name the code gives it
+    (``cli.py``, ``tree.py``, and the audit's verdicts, ``audit/report.py``)."""
+    cli, tree = code_constants("cli.py"), code_constants("tree.py")
+    audit = code_constants("audit/report.py")
+    out = {name: cli[name] for name in ("USAGE_ERROR", "CHECK_OK", "CHECK_UNFIXED",
+                                        "SELFTEST_PASS", "SELFTEST_FAIL", "SELFTEST_CANNOT_RUN",
+                                        "BROKEN_PIPE", "CANNOT_START")}
+    out.update({name: tree[name] for name in ("NOT_A_FOLDER", "NOTHING_FOUND")})
+    out.update({verdict: code for verdict, (_, _, code) in audit["VERDICTS"].items()})
+    out["SIGNALLED"] = audit["SIGNALLED"]
+    return out
+
+
+EXIT_STATUSES = set(exit_statuses().values())
 DATES = {"2026-08-22", "2026-12-02", "2026-12-03", "2026-12-04"}
 WORDS = {  # identifiers with a digit in their name
     "ZeRO-1", "ZeRO-2", "ZeRO-3", "z1", "z2", "z3", "H200", "one-H200", "nvidia-h200", "fp32",
@@ -218,8 +312,25 @@ WORDS = {  # identifiers with a digit in their name
     "p90", "d0", "d5", "d20", "d50", "16k", "16k-async", "c10d", "sm_90", "python3", "b0", "b1",
     "b2", "rep0", "rep1", "run1", "run42", "fp8_param_gather", "fsdp_fp8_transpose_params",
     "Float8Tensor", "libcupti.so.12", "top-1", "1-microbatch", "2-rank", "2-core", "2-slot",
-    "20-step", "3h", "2x",
+    "20-step", "3h", "2x", "v1", "v2", "1F1B",
 }
+# Line numbers of upstream files, as the doc that cites them names the commit: NVIDIA main at
+# d98e8a64dd (docs/MEGATRON_FSDP_V2.md; each checked against that commit's file).
+UPSTREAM_LINES = {"mcore_fsdp_adapter.py": {52, 672, 673, 743},
+                  "parameter_group.py": {85, 203, 210, 328, 344, 349, 351, 407, 415, 420, 432,
+                                         434, 442},
+                  "module.py": {79, 82, 137, 138, 140, 417, 444, 445, 447, 448, 450, 451, 452},
+                  "dbuffer.py": {112, 117, 443, 448}}
+
+
+@functools.cache
+def pool_sizes() -> set[int]:
+    """The gradient pool sizes N the configuration matrix ran (its rows' settings), and the
+    releases' 2 (``registry.RELEASE_POOL_SIZE``)."""
+    rows = record("configurations.json").values()
+    return {int(n) for row in rows
+            for n in re.findall(r"fsdp_buffer_count=([0-9]+)|([0-9]+) slots", row["what"])
+            for n in n if n} | {code_constants("registry.py")["RELEASE_POOL_SIZE"]}
 
 
 def _release(m: re.Match[str]) -> bool:
@@ -242,7 +353,8 @@ IDENTIFIERS: list[tuple[str, str, Callable[[re.Match[str]], bool]]] = [
     ("exit status", r"\b(?:[Ee]xit(?:s| status| code)?|status) \(?[0-9]+\b(?: \([A-Z]+\))?"
                     r"(?:(?:, | or )[0-9]+ \([A-Za-z]+\)?)*", lambda m: all(
                         int(x) in EXIT_STATUSES for x in re.findall(r"[0-9]+", m[0]))),
-    ("index", r"\b(?:[Rr]ank|[Uu]nit|slot) [0-9]\b", lambda m: True),
+    ("index", r"\b(?:[Rr]ank|[Uu]nit|slot|rule) [0-9]\b", lambda m: True),
+    ("at least", r"(?<![\w.])[23]\+(?= (?:ranks|FSDP units)\b)", lambda m: True),
     ("section", r"§\d+\b", lambda m: m[0] in {"§0", "§1", "§2", "§3", "§4", "§5"}),
     ("Python", r"\bPython 3\.\d+(?:\.\d+)?",
      lambda m: m[0][7:] in {"3.11", "3.11.7", "3.12", "3.12.1", "3.12.3"}),
@@ -250,7 +362,20 @@ IDENTIFIERS: list[tuple[str, str, Callable[[re.Match[str]], bool]]] = [
     ("upstream PR", r"(?<![\w#])(?:Megatron-LM|PyTorch|pytorch)? ?#\d+\b",
      lambda m: "#" + m[0].split("#")[1] in UPSTREAM_PRS),
     ("commit", r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b",
-     lambda m: m[0] in COMMITS),
+     lambda m: m[0] in COMMITS or (len(m[0]) >= 12 and any(
+         f.startswith(m[0]) for f in fingerprints()))),
+    ("upstream line", r"\b[Ll]ines? [0-9]+(?:–[0-9]+)?(?:(?:, | and )[0-9]+(?:–[0-9]+)?)*",
+     lambda m: all(int(n) in set().union(*UPSTREAM_LINES.values())
+                   for n in re.findall(r"[0-9]+", m[0]))),
+    ("pool size", r"\bN ?>?= ?[0-9]+(?: and [0-9]+)?\b|\bat least [0-9]+(?= with combined 1F1B)",
+     lambda m: all(int(n) in pool_sizes() for n in re.findall(r"[0-9]+", m[0]))),
+    ("release's", r"(?<![\w.])0\.[0-9]+(?='s\b)|(?<=[0-9a-f]{12} \()0\.[0-9]+(?=\))",
+     lambda m: any(v.startswith(m[0] + ".") for v in VERSIONS | {"0.13.0"})),
+    ("setting", r"\bmegatron_fsdp_version=[12]\b", lambda m: True),
+    ("license", r"\bApache License 2\.0\b", lambda m: True),
+    ("notation", r'"0 \(equal values\)" means both are exactly 0', lambda m: True),
+    ("doc file", r"\b[\w-]+\.md\b",
+     lambda m: (REPO / m[0]).exists() or (REPO / "docs" / m[0]).exists()),
     ("date", r"\b\d{4}-\d{2}-\d{2}\b", lambda m: m[0] in DATES),
     ("record file", r"\b[\w-]+\.(?:json\.gz|json|txt)\b",
      lambda m: (VALIDATION / m[0]).exists() or (REPO / "docs" / m[0]).exists()),
@@ -741,7 +866,9 @@ claim(VAL, "relative L2 error {:.2f}–{:.2f} against the serialized run for fus
 claim(VAL, "every one of these {} cases ({} releases × {} unit kinds × {} delays) is", REPORT,
       lambda t: (len(hotfix_cells(t)), len({r["release"] for r in t[0]}),
                  len({r["unit"] for r in t[2]}), sum(c.startswith("RS delay") for c in t[0][0]))
-      if set(hotfix_cells(t)) == {"0 (bit-identical)"} else ())
+      # the records predate the bit comparison: "0 (equal values)", which the doc's method
+      # section defines "bit-identical" to mean for these tables
+      if set(hotfix_cells(t)) <= {"0 (bit-identical)", "0 (equal values)"} else ())
 claim(VAL, "all runs at delay {:g}.", CASES, lambda cases: (matrix_delays(cases)[0],))
 claim(VAL, "reproduces the shipped error exactly ({:.3f}, 0.5.1, {:g} ms)", CASES,
       lambda cases: (rel_l2(cases, "fsdp-0.5.1|z2|fused|fake|db+hotfix(MFSDP_HOTFIX=0)|d20"),
@@ -949,6 +1076,196 @@ claim(VAL, "report {} unordered of {} reuses (ZeRO-2 and ZeRO-3, 2 microbatches;
 claim(VAL, "the same reuses corrupt the gradients ({:.3f})", AUDIT_TABLES,
       lambda t: (only(num(r["grads vs serialized truth"]) for r in t[0]
                       if r["run"].startswith("as shipped") and r["release"] != "fsdp-0.4.0"),))
+
+
+# ---------------------------------------------------------------------------------------------
+# The command's exit statuses (docs/CLI.md, docs/STATUS_PATH.md), from the code's constants.
+
+EXITS = "exit statuses"
+claim("docs/CLI.md", "## Exit statuses | command | {} | {} | {} | other |", EXITS,
+      lambda e: (only((e["CHECK_OK"], e["SELFTEST_PASS"], e["ordered"])),
+                 only((e["CHECK_UNFIXED"], e["SELFTEST_FAIL"])),
+                 only((e["USAGE_ERROR"], e["SELFTEST_CANNOT_RUN"]))))
+claim("docs/CLI.md", "| {}: the reader of the output went away", EXITS,
+      lambda e: (e["BROKEN_PIPE"],))
+claim("docs/CLI.md", "{}: COMMAND cannot be started", EXITS,  # run's and audit's
+      lambda e: (e["CANNOT_START"],))
+claim("docs/CLI.md", "COMMAND's status when it failed ({} + N after signal N); else {} for",
+      EXITS, lambda e: (e["SIGNALLED"], only((e["UNORDERED"], e["CRASH"]))))
+claim("docs/CLI.md", "{} when nothing or not everything was checked", EXITS,
+      lambda e: (only((e["UNWATCHED"], e["INCOMPLETE"], e["NOT CHECKED"], e["NO DATA"])),))
+claim("docs/STATUS_PATH.md", "| {} | the copies were judged (with", EXITS,
+      lambda e: (e["CHECK_OK"],))
+claim("docs/STATUS_PATH.md", "and none would be left unfixed) | | {} |", EXITS,
+      lambda e: (e["CHECK_UNFIXED"],))
+claim("docs/STATUS_PATH.md", "says which | | {} |", EXITS, lambda e: (e["NOT_A_FOLDER"],))
+claim("docs/STATUS_PATH.md", "or cannot be read | | {} |", EXITS,
+      lambda e: (e["NOTHING_FOUND"],))
+claim("docs/STATUS_PATH.md", "For {} and {} the message goes to stderr", EXITS,
+      lambda e: (e["NOT_A_FOLDER"], e["NOTHING_FOUND"]))
+claim("docs/CLI.md", "on CPU ({} gloo ranks), without and with the hotfix", "selftest spec",
+      lambda spec: (spec["world"],))
+claim("docs/MEGATRON_FSDP_V2.md", "exits with {}. It is never", EXITS,
+      lambda e: (e["UNWATCHED"],))
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/N_SLOT_POOLS.md: the N-slot rows of the configuration matrix, the releases' pool size.
+
+NSLOT, CONFIGS = "docs/N_SLOT_POOLS.md", "configurations.json"
+REGISTRY = "code mfsdp_hotfix/registry.py"
+
+
+def nslot_row(rows: dict[str, Any], key: str) -> tuple[int, ...]:
+    """A row's pool size N, then unordered and reuses as shipped and with the hotfix (the
+    selftest's count, which the audit's must equal), when the gradients were equal in both."""
+    row = rows[key]
+    (n,) = [int(a or b) for a, b in re.findall(r"fsdp_buffer_count=([0-9]+)|([0-9]+) slots",
+                                               row["what"])]
+    off, on = row["runs"]["off"], row["runs"]["on"]
+    if not (off["grads_equal"] and on["grads_equal"]):
+        return ()
+    return (n, *(only((r[k], r["audit_" + k])) for r in (off, on)
+                 for k in ("unordered", "reuses")))
+
+
+for label, pool, zero, key in (
+        ("PR #6316 rebuilt (CI)", "FixedPool", 3, "pr6316-rebuilt-fixedpool-count3"),
+        ("PR #6316 rebuilt (CI)", "FixedPool", 3, "pr6316-rebuilt-fixedpool-count4"),
+        ("PR #6316 rebuilt (CI)", "MaxPool", 3, "pr6316-rebuilt-maxpool-count3"),
+        ("PR #6316 rebuilt (CI)", "MaxPool", 3, "pr6316-rebuilt-maxpool-count4"),
+        ("PR #6316 rebuilt (CI)", "FixedPool", 2, "pr6316-rebuilt-zero2-count3"),
+        ("PR #6316 @f7b65d4a2e (local clone)", "FixedPool", 3, "pr6316-count3"),
+        ("PR #6317 @a932341e12 (local clone)", "FixedPool", 3, "pr6317-count3"),
+        ("PR #6318 @aea2db8a7c (local clone)", "FixedPool", 3, "pr6318-count3"),
+        ("PR #6665 @1c2b310fd1 (local clone)", "FixedPool", 3, "pr6665-count3")):
+    claim(NSLOT, f"| {label} | {pool}, ZeRO-{zero}, N={{}} | {{}}/{{}} | {{}}/{{}} | equal |",
+          CONFIGS, functools.partial(nslot_row, key=key))
+claim(NSLOT, "| PR #5657 @d732aa1e2e (local clone) | MaxPool, ZeRO-3, {} slots | {}/{} | {}/{} | "
+      "equal |", CONFIGS, functools.partial(nslot_row, key="pr5657-maxpool-count3"))
+claim(NSLOT, "the real PR's N={} FixedPool run gives the same counts ({}/{} as shipped, {}/{} with "
+      "the hotfix)", CONFIGS, lambda rows: nslot_row(rows, "pr6316-count3") if nslot_row(
+          rows, "pr6316-count3") == nslot_row(rows, "pr6316-rebuilt-fixedpool-count3") else ())
+# The releases build two slots; #6316 keeps that as fsdp_buffer_count's default (its config at
+# f7b65d4a2e) and #5657 as the size when its option is off.
+claim(NSLOT, "(default {}; the Megatron-LM adapter", REGISTRY,
+      lambda c: (c["RELEASE_POOL_SIZE"],))
+claim(NSLOT, "drain with the constant {} replaced by", REGISTRY,
+      lambda c: (c["RELEASE_POOL_SIZE"],))
+claim(NSLOT, "among N slots instead of {}.", REGISTRY, lambda c: (c["RELEASE_POOL_SIZE"],))
+claim(NSLOT, "or {} where the release has no such option", REGISTRY,
+      lambda c: (c["RELEASE_POOL_SIZE"],))
+
+
+def drain_live_units(series: str) -> int:
+    """The units a release's drain shape keeps live (``Shape("0.19", ..., live_units=2)``)."""
+    text = (REPO / "mfsdp_hotfix" / "registry.py").read_text()
+    return int(only(re.findall(rf'Shape\("{re.escape(series)}",[^)]*?live_units=([0-9]+)', text)))
+
+
+claim(NSLOT, "kept 0.19's drain, which keeps {} units live in a pool of N", REGISTRY,
+      lambda c: (drain_live_units("0.19"),))
+
+# ---------------------------------------------------------------------------------------------
+# docs/MEGATRON_FSDP_V2.md: v1's pool, and what validation/v2_gpu.py runs.
+
+V2 = "docs/MEGATRON_FSDP_V2.md"
+claim(V2, "a fixed pool of {} slots", REGISTRY, lambda c: (c["RELEASE_POOL_SIZE"],))
+claim(V2, "This runs v2 through NCCL on {} GPUs: {}", "code validation/v2_gpu.py",
+      lambda c: (c["--gpus"], c["UNITS"]))
+claim(V2, "units, {} steps, inputs that differ per rank, and a {:g} ms GPU sleep",
+      "code validation/v2_gpu.py", lambda c: (c["STEPS"], c["--delay-ms"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# README.md: what the code fixes (the releases' pool, the selftest's ranks).
+
+claim(README, "come from a fixed pool of {} slots", REGISTRY, lambda c: (c["RELEASE_POOL_SIZE"],))
+claim(README, "with real Megatron-FSDP on CPU ({} gloo ranks) without and with the hotfix",
+      "selftest spec", lambda spec: (spec["world"],))
+claim(README, "CPU (real Megatron-FSDP, {} gloo ranks, in the tests)", "selftest spec",
+      lambda spec: (spec["world"],))
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/PERFORMANCE.md: the benchmark's settings, as its record states them.
+
+claim(PERF, "Model: {} FSDP units, each TE", BENCH, lambda doc: (doc["size"]["units"],))
+claim(PERF, "h {}, ffn {}, measured at", BENCH,
+      lambda doc: (doc["size"]["hidden"], doc["size"]["ffn"]))
+claim(PERF, "B parameters, bf16; {} tokens × {} microbatches per step; {} warm-up and {} timed "
+      "steps (CUDA events) per run", BENCH,
+      lambda doc: tuple(doc["size"][k] for k in ("tokens", "microbatches", "warmup", "steps")))
+claim(PERF, "then again), {} repetitions; ratios are taken", BENCH, lambda doc: (doc["reps"],))
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/VALIDATION.md, "What the raw records hold": counts and times of the raw GPU records.
+
+def utc_time(stamp: str) -> str:
+    """``2026-12-04 13:59:35`` -> ``13:59:35`` (the records' ``date_utc``/``written_utc``)."""
+    return stamp.split(" ")[1]
+
+
+def first_run() -> list[dict[str, Any]]:
+    """The raw files of the first GPU run of the fuzzer/TE era (TE matrix and long runs)."""
+    return [record("gpu-call1-te.json.gz"), record("gpu-call1-long.json.gz")]
+
+
+def second_run() -> list[dict[str, Any]]:
+    return [record("gpu-call2-fuzz.json.gz"), record("gpu-call2-oracles.json.gz")]
+
+
+def spec_counts(raw: dict[str, Any], *keys: str) -> tuple[int, ...]:
+    """Records, then the distinct values of each spec key among them."""
+    return (len(raw["records"]), *(len({r["spec"][k] for r in raw["records"]}) for k in keys))
+
+
+claim(VAL, "besides their own {:,} fuzz and {} oracle records", "gpu-call2-fuzz.json.gz",
+      lambda raw: (len(raw["records"]), len(record("gpu-call2-oracles.json.gz")["records"])))
+claim(VAL, "Each of those {:,} extra records is identical", "gpu-call1-te.json.gz",
+      lambda _: (sum(len(f["records"]) for f in first_run()),))
+claim(VAL, "(each of their {:,} records exactly once), and each started before the second run "
+      "began ({} UTC), inside the first run's window ({}–{} UTC)", "gpu-call1-te.json.gz",
+      lambda _: (sum(len(f["records"]) for f in first_run()),
+                 min(utc_time(f["date_utc"]) for f in second_run()),
+                 min(utc_time(f["date_utc"]) for f in first_run()),
+                 max(utc_time(f["written_utc"]) for f in first_run())))
+claim(VAL, "cases, each once: {:,} fuzz records ({} seeds × {} releases × shipped/hotfix × "
+      "serialized and asynchronous) and {} oracle records ({} seeds × {} releases × {} variants "
+      "× serialized", "gpu-call2-fuzz.json.gz",
+      lambda raw: (*spec_counts(raw, "seed", "release"),
+                   *spec_counts(record("gpu-call2-oracles.json.gz"), "seed", "release",
+                                "oracle_variant")))
+claim(VAL, "These {} cases ({} shipped, {} hotfix) were counted as crashes", TE,
+      lambda rows: (sum(r["outcome"] == "unsupported" for r in rows),
+                    *(sum(r["outcome"] == "unsupported" and r["variant"] == v for r in rows)
+                      for v in ("shipped", "hotfix"))))
+claim(VAL, "({} shipped and {} hotfix cases): that release", TE,
+      lambda rows: tuple(sum(r["outcome"] == "unsupported" and r["variant"] == v for r in rows)
+                         for v in ("shipped", "hotfix")))
+claim(VAL, "every real-TE case that the release itself can run ({} of {})", TE,
+      lambda rows: (sum(r["outcome"] == "exact" for r in rows if r["variant"] == "hotfix"),
+                    sum(r["outcome"] != "unsupported" for r in rows if r["variant"] == "hotfix")))
+
+
+
+def raw_gpu_records() -> list[dict[str, Any]]:
+    """Every record of the committed raw GPU files."""
+    return [r for p in sorted(VALIDATION.glob("gpu-*.json.gz")) for r in record(p.name)["records"]]
+
+
+claim(VAL, "one compared {} or {} steps. The GPTModel records", "gpu-call2-fuzz.json.gz",
+      lambda _: tuple(sorted({r["comparison"]["steps_compared"] for r in raw_gpu_records()
+                              if (r.get("comparison") or {}).get("outcome") == "exact"})))
+claim(VAL, "(TE {} in each of the {:,} real-TE records of the raw files above that ran)",
+      "gpu-call2-fuzz.json.gz",
+      lambda _: (only(r["te_version"] for r in raw_gpu_records() if r.get("te_version")),
+                 sum(bool(r.get("te_version")) for r in raw_gpu_records())))
+claim(VAL, "0.5.1: **{:.3f}** with the plain fake group, **{:g} (equal values)** with NCCL work "
+      "semantics", CASES,
+      lambda cases: (rel_l2(cases, "fsdp-0.5.1|z3|fused+head|fake|nodb|d0|big"),
+                     rel_l2(cases, "fsdp-0.5.1|z3|fused+head|nccl_sem|nodb|d0|big")))
 
 
 if __name__ == "__main__":

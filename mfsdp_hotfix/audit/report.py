@@ -30,6 +30,8 @@ from typing import Any
 log = logging.getLogger("mfsdp_hotfix")
 
 STORE_PREFIX = "mfsdp_hotfix/audit/"
+# A command killed by signal N exits, as the shell reports it, with this plus N.
+SIGNALLED = 128
 
 
 def rank_file(path: str, rank: int) -> str:
@@ -98,7 +100,7 @@ def exit_status(verdict: str, command_status: int) -> int:
     """``mfsdp-hotfix audit``'s exit status: the command's when it failed, else the verdict's
     (0 only for ``ordered``)."""
     if command_status < 0:  # killed by a signal
-        return 128 - command_status
+        return SIGNALLED - command_status
     return command_status or VERDICTS[verdict][2]
 
 
