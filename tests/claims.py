@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import functools
 import gzip
 import json
@@ -312,7 +313,7 @@ WORDS = {  # identifiers with a digit in their name
     "p90", "d0", "d5", "d20", "d50", "16k", "16k-async", "c10d", "sm_90", "python3", "b0", "b1",
     "b2", "rep0", "rep1", "run1", "run42", "fp8_param_gather", "fsdp_fp8_transpose_params",
     "Float8Tensor", "libcupti.so.12", "top-1", "1-microbatch", "2-rank", "2-core", "2-slot",
-    "20-step", "3h", "2x", "v1", "v2", "1F1B",
+    "20-step", "3h", "2x", "v1", "v2", "1F1B", "zero1-fused-wgrad-overwrite", "zero1-accumulate",
 }
 # Line numbers of upstream files, as the doc that cites them names the commit: NVIDIA main at
 # d98e8a64dd (docs/MEGATRON_FSDP_V2.md; each checked against that commit's file).
@@ -1109,6 +1110,29 @@ claim("docs/MEGATRON_FSDP_V2.md", "exits with {}. It is never", EXITS,
       lambda e: (e["UNWATCHED"],))
 
 
+def matrix_microbatches(rec: dict[str, Any]) -> int:
+    """The microbatches of every row of the configuration matrix but its one control of fewer."""
+    counts = collections.Counter(row["microbatches"] for row in rec.values())
+    (most, _), (_, fewer) = counts.most_common()
+    assert fewer == 1, counts
+    return int(most)
+
+
+claim("docs/CONFIGURATIONS.md", "(hidden {}), {} steps of", "selftest spec",
+      lambda spec: (spec["hidden"], spec["iterations"]))
+claim("docs/CONFIGURATIONS.md", "steps of {} microbatches in every row but one",
+      "configurations.json", lambda rec: (matrix_microbatches(rec),))
+claim(USAGE, "Each step's {} microbatches are driven as Megatron-LM", "selftest spec",
+      lambda spec: (spec["microbatches"],))
+claim(VAL, "rerun with every row at {} microbatches under Megatron-LM's protocol",
+      "configurations.json",
+      lambda rec: (matrix_microbatches(rec),))
+claim(VAL, "and HSDP is now equal at {} microbatches", "configurations.json",
+      lambda rec: (rec["hsdp"]["microbatches"],) if rec["hsdp"]["runs"]["on"]["grads_equal"]
+      else ())
+claim("docs/RELEASE_DEFECTS.md", "(CPU, {} gloo ranks, the selftest model's", "selftest spec",
+      lambda spec: (spec["world"],))
+
 # ---------------------------------------------------------------------------------------------
 # docs/N_SLOT_POOLS.md: the N-slot rows of the configuration matrix, the releases' pool size.
 
@@ -1155,6 +1179,30 @@ claim(NSLOT, "drain with the constant {} replaced by", REGISTRY,
 claim(NSLOT, "among N slots instead of {}.", REGISTRY, lambda c: (c["RELEASE_POOL_SIZE"],))
 claim(NSLOT, "or {} where the release has no such option", REGISTRY,
       lambda c: (c["RELEASE_POOL_SIZE"],))
+
+# The nslot phase on one H200 (validation/gpu_phases.py), and the selftest on the rebuilt copy.
+NSLOT_RAW = "gpu-call5-nslot.json.gz"
+
+
+def nslot_specs(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r["spec"] for r in rec["records"] if r.get("spec")]
+
+
+# (code spans are not prose: the pool size inside one is not a claim)
+claim(NSLOT, "the rebuilt one, with : {} units, {} microbatches under Megatron-LM's protocol",
+      NSLOT_RAW, lambda rec: tuple(only(s[k] for s in nslot_specs(rec))
+                                   for k in ("units", "microbatches")))
+claim(NSLOT, "each reduce-scatter delayed {} or {} ms", NSLOT_RAW,
+      lambda rec: tuple(sorted({s.get("delay_ms", 0) for s in nslot_specs(rec)
+                                if not s.get("serialized")})))
+claim(NSLOT, "every row is bit-identical at {} ms and wrong at {} ms", NSLOT_RAW,
+      lambda rec: tuple(sorted({s.get("delay_ms", 0) for s in nslot_specs(rec)
+                                if not s.get("serialized")})))
+claim(NSLOT, "with the hotfix bit-identical and {} unordered reuses",
+      "selftest-gpu-h200-pr6316-rebuilt-n3.txt",
+      lambda txt: (int(re.search(r"with the hotfix the gradients are bit-identical to the "
+                                 r"serialized run and the audit found ([0-9]+) unordered",
+                                 txt)[1]),))
 
 
 def drain_live_units(series: str) -> int:
@@ -1250,9 +1298,15 @@ claim(VAL, "every real-TE case that the release itself can run ({} of {})", TE,
 
 
 
-def raw_gpu_records() -> list[dict[str, Any]]:
-    """Every record of the committed raw GPU files."""
-    return [r for p in sorted(VALIDATION.glob("gpu-*.json.gz")) for r in record(p.name)["records"]]
+# the GPU runs VALIDATION.md describes (the fifth, the N-slot phase, is N_SLOT_POOLS.md's)
+VALIDATION_RUNS = (1, 2, 3, 4)
+
+
+def raw_gpu_records(calls: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
+    """Every record of the committed raw GPU files (``gpu-callN-*``), or of the runs ``calls``."""
+    return [r for p in sorted(VALIDATION.glob("gpu-*.json.gz"))
+            if calls is None or int(re.match(r"gpu-call([0-9]+)-", p.name)[1]) in calls
+            for r in record(p.name)["records"]]
 
 
 claim(VAL, "one compared {} or {} steps. The GPTModel records", "gpu-call2-fuzz.json.gz",
@@ -1260,8 +1314,9 @@ claim(VAL, "one compared {} or {} steps. The GPTModel records", "gpu-call2-fuzz.
                               if (r.get("comparison") or {}).get("outcome") == "exact"})))
 claim(VAL, "(TE {} in each of the {:,} real-TE records of the raw files above that ran)",
       "gpu-call2-fuzz.json.gz",
-      lambda _: (only(r["te_version"] for r in raw_gpu_records() if r.get("te_version")),
-                 sum(bool(r.get("te_version")) for r in raw_gpu_records())))
+      lambda _: (only(r["te_version"] for r in raw_gpu_records(VALIDATION_RUNS)
+                      if r.get("te_version")),
+                 sum(bool(r.get("te_version")) for r in raw_gpu_records(VALIDATION_RUNS))))
 claim(VAL, "0.5.1: **{:.3f}** with the plain fake group, **{:g} (equal values)** with NCCL work "
       "semantics", CASES,
       lambda cases: (rel_l2(cases, "fsdp-0.5.1|z3|fused+head|fake|nodb|d0|big"),

@@ -73,3 +73,25 @@ def test_accumulation_gpu_script_finds_zero1s_lost_microbatch_on_cpu(tmp_path) -
     assert {k: v["first_microbatch_lost"] for k, v in summary.items()} == {
         "zero1-megatron-lm": True, "zero1-auto-sync": True, "zero2-megatron-lm": False,
         "zero2-auto-sync": False, "zero3-megatron-lm": False, "zero3-auto-sync": False}
+
+
+def test_accumulation_gpu_script_with_the_hotfix_keeps_every_microbatch(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--fix hotfix``: with zero1-accumulate, no case's 2-microbatch step equals its last
+    microbatch alone (CPU stand-in, tiny)."""
+    import json
+    import os
+
+    import releases
+
+    out = tmp_path / "acc.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(releases.unpacked("megatron-fsdp", "0.6.1")), str(REPO)])}
+    env.pop("MFSDP_HOTFIX", None)
+    proc = subprocess.run([sys.executable, "validation/accumulation_gpu.py", "--cpu", "--tiny",
+                           "--fix", "hotfix", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["fix"] == "hotfix"
+    assert {k: v["first_microbatch_lost"] for k, v in record["summary"].items()} == {
+        f"zero{z}-{p}": False for z in (1, 2, 3) for p in ("megatron-lm", "auto-sync")}

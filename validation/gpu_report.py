@@ -6,8 +6,8 @@
 RAW defaults to ``docs/validation/gpu-*.json.gz``. ``--write`` writes
 ``docs/validation/fuzz-summary.json`` (``{release, seed, variant, outcome, max_abs_diff}``),
 ``te-summary.json`` (``{release, layer, fuse, zero, delay_ms, dtype, variant, te_version,
-outcome, rel_l2}`` plus the audit's counts and ``delay_wgrad``), ``long-summary.json`` and
-``oracles-summary.json``. Outcomes: ``exact`` = every gradient, loss and parameter bit-identical
+outcome, rel_l2}`` plus the audit's counts and ``delay_wgrad``), ``long-summary.json``,
+``oracles-summary.json``, ``maxpool-summary.json`` and ``nslot-summary.json``. Outcomes: ``exact`` = every gradient, loss and parameter bit-identical
 to the serialized run of the same variant (mfsdp_hotfix/compare.py); ``wrong`` = it ran and
 something differs; ``crash`` = the run or its serialized run raised; ``unsupported`` = the harness
 refused a configuration the release cannot run, before the first step. Cases a call did not reach are left out (and counted).
@@ -27,7 +27,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = os.path.join(os.path.dirname(HERE), "docs", "validation")
-RELS = ["fsdp-0.4.0", "fsdp-0.5.1", "fsdp-0.6.1", "core-0.18.2", "core-0.19.2"]
+RELS = ["fsdp-0.4.0", "fsdp-0.5.1", "fsdp-0.6.1", "core-0.18.2", "core-0.19.2", "pr6316",
+        "pr6316-rebuilt"]
 FUZZ_KEYS = ("release", "seed", "variant", "outcome", "max_abs_diff")
 # the harness's refusal of a configuration the release cannot run (te_layers.UnsupportedByRelease)
 UNSUPPORTED = "not supported by this release"
@@ -115,7 +116,8 @@ def te_version_of(recs: list[dict[str, Any]]) -> str | None:
 
 def te_summary(recs: list[dict[str, Any]], smoke: bool = False, phase: str = "te"
                ) -> list[dict[str, Any]]:
-    """The real-TE rows of ``phase`` ("te", or "maxpool": the same rows on MaxPoolAllocator)."""
+    """The real-TE rows of ``phase`` ("te"; "maxpool": the same rows on MaxPoolAllocator;
+    "nslot": the N-slot pool of NVIDIA PR #6316)."""
     version = te_version_of(recs)
     out = []
     for r in recs:
@@ -331,7 +333,8 @@ def main() -> None:
     smoke = a.include_smoke
     summaries = {"fuzz": fuzz_summary(recs, smoke), "te": te_summary(recs, smoke),
                  "long": long_summary(recs, smoke), "oracles": oracle_summary(recs, smoke),
-                 "maxpool": te_summary(recs, smoke, phase="maxpool")}
+                 "maxpool": te_summary(recs, smoke, phase="maxpool"),
+                 "nslot": te_summary(recs, smoke, phase="nslot")}
     if a.write:
         for name, rows in summaries.items():
             if rows:
@@ -354,6 +357,9 @@ def main() -> None:
     if summaries["maxpool"]:
         print("\n## Real TransformerEngine on MaxPoolAllocator\n")
         print(te_table(summaries["maxpool"]))
+    if summaries["nslot"]:
+        print("\n## Real TransformerEngine on an N-slot pool (fsdp_buffer_count)\n")
+        print(te_table(summaries["nslot"]))
     skipped = not_run(recs)
     if skipped:
         print("\nNot run: " + "; ".join(f"{n} × {k}" for k, n in sorted(skipped.items())))
