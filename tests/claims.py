@@ -306,7 +306,7 @@ def exit_statuses() -> dict[str, int]:
 
 
 EXIT_STATUSES = set(exit_statuses().values())
-DATES = {"2026-08-22", "2026-12-02", "2026-12-03", "2026-12-04"}
+DATES = {"2026-08-22", "2026-12-02", "2026-12-03", "2026-12-04", "2026-12-05"}
 WORDS = {  # identifiers with a digit in their name
     "ZeRO-1", "ZeRO-2", "ZeRO-3", "z1", "z2", "z3", "H200", "one-H200", "nvidia-h200", "fp32",
     "bf16", "fp8", "FP8", "bfloat16", "torch.bfloat16", "torch.float32", "TF32", "L2", "p10",
@@ -969,7 +969,7 @@ claim(AUDIT_DOC, "as shipped, {} of {} reuses unordered at {} ms delay while the
 claim(AUDIT_DOC, "audit found {}–{} of {}–{} reuses unordered in every such shipped run at {} ms",
       TE, lambda rows: (*te_fusion_off_audit(rows), te_fusion_off(rows)["delay"]))
 
-claim("docs/CONFIGURATIONS.md", "The whole matrix ({} rows, {} runs)", "configurations.json",
+claim("docs/CONFIGURATIONS.md", "The whole matrix ({} rows, {} runs,", "configurations.json",
       lambda rec: (len(rec), sum(len(row["runs"]) for row in rec.values())))
 
 # docs/ACCUMULATION.md: the accumulation experiment (tests/real_library/accumulation.py).

@@ -187,6 +187,13 @@ def _refusal(log: str) -> str | None:
     return found.group(1).strip() if found else None
 
 
+def _causes(row: Configuration, copy: dict[str, Any]) -> tuple[str, ...]:
+    """The row's causes that can explain this run: the hotfix's zero1-accumulate, when applied,
+    repairs zero1-fused-wgrad-overwrite."""
+    repaired = "zero1-accumulate" in (copy.get("fixes") or [])
+    return tuple(c for c in row.cause if not (repaired and c == accumulation.ZERO1_OVERWRITE))
+
+
 def _run(result: CaseResult, row: Configuration) -> dict[str, Any]:
     copies = (result.audit_report or {}).get("copies", [])
     copy = copies[0] if copies else {}
@@ -200,7 +207,7 @@ def _run(result: CaseResult, row: Configuration) -> dict[str, Any]:
             "bf16": result.spec.grad_comm_dtype == "bfloat16",
             "grads_equal": grads_equal(result),
             "cause": None if grads_equal(result) else (
-                "; ".join(accumulation.CAUSES[c] for c in row.cause) or None),
+                "; ".join(accumulation.CAUSES[c] for c in _causes(row, copy)) or None),
             "era": copy.get("era"), "fixes": copy.get("fixes"),
             "grad_pools": copy.get("grad_pools"),
             "grad_pools_unordered": copy.get("grad_pools_unordered"), "note": copy.get("note"),
