@@ -974,6 +974,11 @@ claim("docs/CONFIGURATIONS.md", "The whole matrix ({} rows, {} runs,", "configur
 
 # docs/ACCUMULATION.md: the accumulation experiment (tests/real_library/accumulation.py).
 ACC, ACC_DOC = "accumulation.json", "docs/ACCUMULATION.md"
+claim(ACC_DOC, "the experiment's HSDP has DP-Outer {} x DP-Shard {}, {} ranks",
+      "code tests/real_library/accumulation.py",
+      lambda c: (c["STRATEGIES"]["hsdp"]["outer"],
+                 c["STRATEGIES"]["hsdp"]["world"] // c["STRATEGIES"]["hsdp"]["outer"],
+                 c["STRATEGIES"]["hsdp"]["world"]))
 
 
 def acc_error(rec: dict[str, Any], case_id: str) -> float:
