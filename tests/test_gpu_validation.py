@@ -189,7 +189,9 @@ def test_each_committed_raw_file_holds_only_its_own_runs_cases() -> None:
         start = calendar.timegm(time.strptime(doc["date_utc"], "%Y-%m-%d %H:%M:%S"))
         cases = [(r["spec"]["phase"], r["id"]) for r in doc["records"]]
         assert len(cases) == len(set(cases)), path.name
-        assert {phase for phase, _ in cases} == {doc["phase"]}, path.name
+        # the smoke phase runs a few cases of each other phase, as smoke-<phase>
+        assert all(phase == doc["phase"] or (doc["phase"] == "smoke" and phase.startswith(
+            "smoke-")) for phase, _ in cases), path.name
         assert all(r["t_start"] >= start for r in doc["records"] if "t_start" in r), path.name
 
 

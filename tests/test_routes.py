@@ -177,7 +177,8 @@ def test_switched_off(installed: Installed) -> None:
     assert "    missed-post-backward: not needed (" in check.stdout, check.stdout[-2000:]
     unfixed = check.stdout.split("\nLeft unfixed:\n", 1)[1].splitlines()
     assert [line.rsplit(": ", 1)[1] for line in unfixed] == [
-        "getter-guard off (MFSDP_HOTFIX=0)", "ordered-drain off (MFSDP_HOTFIX=0)"], unfixed
+        "getter-guard off (MFSDP_HOTFIX=0)", "ordered-drain off (MFSDP_HOTFIX=0)",
+        "zero1-accumulate off (MFSDP_HOTFIX=0)"], unfixed
     proc = installed.sh("MFSDP_HOTFIX=0 python -c 'import megatron_fsdp, mfsdp_hotfix; "
                         "print(mfsdp_hotfix.summary()); "
                         "print(mfsdp_hotfix.status()[\"copies\"][0][\"imported\"])\n"
