@@ -1200,9 +1200,22 @@ claim(NSLOT, "the rebuilt one, with : {} units, {} microbatches under Megatron-L
 claim(NSLOT, "each reduce-scatter delayed {} or {} ms", NSLOT_RAW,
       lambda rec: tuple(sorted({s.get("delay_ms", 0) for s in nslot_specs(rec)
                                 if not s.get("serialized")})))
-claim(NSLOT, "every row is bit-identical at {} ms and wrong at {} ms", NSLOT_RAW,
-      lambda rec: tuple(sorted({s.get("delay_ms", 0) for s in nslot_specs(rec)
-                                if not s.get("serialized")})))
+def nslot_outcome_delays(rows: list[dict[str, Any]]) -> tuple[int, ...]:
+    """The delay at which every shipped row of the nslot summary is exact and the one at which
+    every shipped row is wrong, when every hotfix row is exact with no unordered reuse."""
+    shipped = [r for r in rows if r["variant"] == "shipped"]
+    exact = {r["delay_ms"] for r in shipped if r["outcome"] == "exact"}
+    wrong = {r["delay_ms"] for r in shipped if r["outcome"] == "wrong"}
+    fixed = all(r["outcome"] == "exact" and not r["audit_unordered"]
+                for r in rows if r["variant"] == "hotfix")
+    if not fixed or len(exact) != 1 or len(wrong) != 1 or exact & wrong or len(
+            exact) + len(wrong) != len({r["delay_ms"] for r in shipped}):
+        return ()
+    return only(exact), only(wrong)
+
+
+claim(NSLOT, "every row is bit-identical at {} ms and wrong at {} ms", "nslot-summary.json",
+      nslot_outcome_delays)
 claim(NSLOT, "with the hotfix bit-identical and {} unordered reuses",
       "selftest-gpu-h200-pr6316-rebuilt-n3.txt",
       lambda txt: (int(re.search(r"with the hotfix the gradients are bit-identical to the "

@@ -7,8 +7,9 @@ RAW defaults to ``docs/validation/gpu-*.json.gz``. ``--write`` writes
 ``docs/validation/fuzz-summary.json`` (``{release, seed, variant, outcome, max_abs_diff}``),
 ``te-summary.json`` (``{release, layer, fuse, zero, delay_ms, dtype, variant, te_version,
 outcome, rel_l2}`` plus the audit's counts and ``delay_wgrad``), ``long-summary.json``,
-``oracles-summary.json``, ``maxpool-summary.json`` and ``nslot-summary.json``. Outcomes: ``exact`` = every gradient, loss and parameter bit-identical
-to the serialized run of the same variant (mfsdp_hotfix/compare.py); ``wrong`` = it ran and
+``oracles-summary.json``, ``maxpool-summary.json`` and ``nslot-summary.json``. Outcomes:
+``exact`` = every gradient, loss and parameter bit-identical to the serialized run of the same
+variant (mfsdp_hotfix/compare.py); ``wrong`` = it ran and
 something differs; ``crash`` = the run or its serialized run raised; ``unsupported`` = the harness
 refused a configuration the release cannot run, before the first step. Cases a call did not reach are left out (and counted).
 Nothing is recomputed: every number is copied from a case record written on the GPU.

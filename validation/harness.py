@@ -77,7 +77,7 @@ DEFAULTS: dict[str, Any] = dict(
     tokens=2048, microbatches=2, steps=3, warmup=0, dtype="fp32", optimizer=None, lr=1e-3,
     faults=None, truth=None, cycles_per_ms=0.0, timing=False, read_grads=True,
     trace_slots=False, input_seed=10_000, model_seed=1234, truth_wait_s=300.0,
-    protocol="megatron-lm")
+    protocol=protocol.DEFAULT)
 PROCESS_KEYS = ("pkg", "fix", "pg")
 
 
@@ -687,7 +687,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=2)
-    p.add_argument("--protocol", default="megatron-lm", choices=protocol.PROTOCOLS,
+    p.add_argument("--protocol", default=protocol.DEFAULT, choices=protocol.PROTOCOLS,
                    help="how each step's microbatches are driven (default: Megatron-LM's)")
     p.add_argument("--save-grads", default="")
     p.add_argument("--truth", default="")
