@@ -120,10 +120,12 @@ def matches(diff: dict[str, Any]) -> bool:
 # ------------------------------------------------------------------------- the plan
 def case(group: str, release: str, *, dp: int = 2, zero: int = 3, dtype: str = "fp32",
          ogr: bool = True, recompute: bool = False, moe: bool = False, variant: str = "shipped",
-         delay_ms: float = 0.0, serialized: bool = False) -> dict[str, Any]:
+         delay_ms: float = 0.0, serialized: bool = False, impl: str = "te") -> dict[str, Any]:
+    """``impl``: ``te`` (TE layers, fused wgrad accumulation: the default route) or ``local``
+    (megatron-core's own layers, ``--no-gradient-accumulation-fusion``: runs without TE)."""
     sharding = {v: k for k, v in ZERO.items()}[zero]
     c = dict(group=group, release=release, dp=dp, launcher="fake" if dp == 2 else "torchrun",
-             zero=zero, sharding=sharding, dtype=dtype, overlap_grad_reduce=ogr,
+             impl=impl, zero=zero, sharding=sharding, dtype=dtype, overlap_grad_reduce=ogr,
              overlap_param_gather=ogr, recompute=recompute, moe=moe, variant=variant,
              db=variant != "db-off", delay_ms=0.0 if serialized else float(delay_ms),
              serialized=serialized, iterations=ITERS, microbatches=MICROBATCHES)
@@ -133,7 +135,8 @@ def case(group: str, release: str, *, dp: int = 2, zero: int = 3, dtype: str = "
 
 
 def config_key(c: dict[str, Any]) -> str:
-    extra = [x for x, on in (("recompute", c["recompute"]), ("moe", c["moe"]),
+    extra = [x for x, on in (("local", c["impl"] == "local"), ("recompute", c["recompute"]),
+                             ("moe", c["moe"]),
                              ("no-overlap", not c["overlap_grad_reduce"])) if on]
     return "|".join([c["release"], f"dp{c['dp']}", f"zero{c['zero']}", c["dtype"]] + extra)
 
@@ -146,50 +149,57 @@ def truth_variant(c: dict[str, Any]) -> str:
 
 def configurations(release: str, dp: int, zero: int, dtype: str, ogr: bool = True,
                    recompute: bool = False, moe: bool = False, delays=DELAYS,
-                   group: str = "dp2", variants=VARIANTS) -> list[dict[str, Any]]:
+                   group: str = "dp2", variants=VARIANTS, impl: str = "te"
+                   ) -> list[dict[str, Any]]:
     """One configuration: a serialized run per variant, then each variant at each delay."""
-    kw = dict(dp=dp, zero=zero, dtype=dtype, ogr=ogr, recompute=recompute, moe=moe)
+    kw = dict(dp=dp, zero=zero, dtype=dtype, ogr=ogr, recompute=recompute, moe=moe, impl=impl)
     out = [case(group, release, variant=v, serialized=True, **kw) for v in variants]
     out += [case(group, release, variant=v, delay_ms=d, **kw) for d in delays for v in variants]
     return out
 
 
-def plan(releases=RELEASES, groups=("core", "dp1", "zero1", "unit", "extras")
-         ) -> list[dict[str, Any]]:
-    """Every run, most important first (a cut time budget drops the end of the list)."""
+GROUPS = ("local", "core", "dp1", "zero1", "unit", "extras")
+
+
+def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
+    """Every run, in the order of ``groups`` (a cut time budget drops the end of the list):
+    ``local`` (no TE: starts while TE is being built), ``core`` (the first release, then the
+    others), ``dp1``, ``zero1``, ``unit``, ``extras`` (fp8, recompute, MoE)."""
     first, rest = releases[0], releases[1:]
     out: list[dict[str, Any]] = []
-
-    def core(rel):
-        for zero in (3, 2):
-            for dtype in ("fp32", "bf16"):
-                out.extend(configurations(rel, 2, zero, dtype))
-        # the audit route on the DP=2 job, at the delay that breaks the shipped code
-        out.extend(case("audit", rel, variant=v, delay_ms=DELAYS[-1]) for v in AUDITS)
-
-    if "core" in groups:
-        core(first)
-    if "dp1" in groups:
-        # world size 1, real NCCL: the plain route and the audit route (no delay: no fake group)
-        out.extend(configurations(first, 1, 3, "fp32", delays=(0.0,), group="dp1",
-                                  variants=("shipped", "hotfix")))
-        out.extend(case("dp1", first, dp=1, variant=v) for v in AUDITS)
-    if "core" in groups:
-        for rel in rest:
-            core(rel)
-    if "zero1" in groups:
-        for rel in releases:
-            for ogr in (True, False):
-                out.extend(configurations(rel, 2, 1, "fp32", ogr=ogr, group="zero1"))
-    if "unit" in groups:
-        for rel in releases:
-            out.extend(dict(group="unit", release=rel, variant=v, id=f"{rel}|unit-tests|{v}",
-                            serialized=False) for v in ("shipped", "hotfix"))
-    if "extras" in groups:
-        for rel in releases:
-            out.extend(configurations(rel, 2, 3, "fp8", group="extras"))
-            out.extend(configurations(rel, 2, 3, "bf16", recompute=True, group="extras"))
-            out.extend(configurations(rel, 2, 3, "bf16", moe=True, group="extras"))
+    for group in groups:
+        if group == "local":
+            for zero in (3, 2):
+                out.extend(configurations(first, 2, zero, "fp32", group="local", impl="local"))
+        elif group == "core":
+            for rel in (first,) + tuple(rest):
+                for zero in (3, 2):
+                    for dtype in ("fp32", "bf16"):
+                        out.extend(configurations(rel, 2, zero, dtype, group="core"))
+                # the audit route on the DP=2 job, at the delay that breaks the shipped code
+                out.extend(case("core", rel, variant=v, delay_ms=DELAYS[-1]) for v in AUDITS)
+        elif group == "dp1":
+            # world size 1, real NCCL: the plain route and the audit route (no fake group, no
+            # delay)
+            out.extend(configurations(first, 1, 3, "fp32", delays=(0.0,), group="dp1",
+                                      variants=("shipped", "hotfix")))
+            out.extend(case("dp1", first, dp=1, variant=v) for v in AUDITS)
+        elif group == "zero1":
+            for rel in releases:
+                for ogr in (True, False):
+                    out.extend(configurations(rel, 2, 1, "fp32", ogr=ogr, group="zero1"))
+        elif group == "unit":
+            for rel in releases:
+                out.extend(dict(group="unit", release=rel, variant=v, impl="te",
+                                id=f"{rel}|unit-tests|{v}", serialized=False)
+                           for v in ("shipped", "hotfix"))
+        elif group == "extras":
+            for rel in releases:
+                out.extend(configurations(rel, 2, 3, "fp8", group="extras"))
+                out.extend(configurations(rel, 2, 3, "bf16", recompute=True, group="extras"))
+                out.extend(configurations(rel, 2, 3, "bf16", moe=True, group="extras"))
+        else:
+            raise ValueError(f"unknown group {group!r} (known: {', '.join(GROUPS)})")
     ids = [c["id"] for c in out]
     assert len(ids) == len(set(ids)), "a case is planned twice"
     return out
@@ -203,17 +213,22 @@ def pretrain_args(c: dict[str, Any], size: dict[str, int] = SIZE) -> list[str]:
          "--num-attention-heads", z["heads"], "--ffn-hidden-size", z["ffn"],
          "--seq-length", z["seq"], "--max-position-embeddings", z["seq"],
          "--micro-batch-size", z["mbs"], "--global-batch-size", gbs,
-         "--train-iters", c["iterations"], "--eval-iters", 0, "--log-interval", 1,
+         "--train-iters", c["iterations"], "--eval-iters", 0, "--eval-interval", 1000,
+         "--log-interval", 1,
          "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "constant",
          "--clip-grad", "1.0", "--weight-decay", "0.01", "--optimizer", "adam", "--seed", 1234,
          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", z["vocab"],
          "--num-workers", 0,
-         "--transformer-impl", "transformer_engine", "--attention-backend", "unfused",
          "--position-embedding-type", "rope", "--no-rope-fusion", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights", "--hidden-dropout", 0,
          "--attention-dropout", 0,
          "--use-megatron-fsdp", "--data-parallel-sharding-strategy", c["sharding"],
          "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+    if c["impl"] == "te":
+        a += ["--transformer-impl", "transformer_engine", "--attention-backend", "unfused"]
+    else:
+        # the local layer spec always takes megatron-core's DotProductAttention
+        a += ["--transformer-impl", "local", "--no-gradient-accumulation-fusion"]
     if c["db"]:
         a.append("--fsdp-double-buffer")
     if c["overlap_grad_reduce"]:
@@ -314,7 +329,7 @@ def command(c: dict[str, Any], paths: Paths, folder: str, cycles_per_ms: float
     script = os.path.join(paths.src[c["release"]], "pretrain_gpt.py")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
     env["PYTHONPATH"] = os.pathsep.join(
-        [INJECT, paths.rel[c["release"]], REPO] + [p for p in [env.get("PYTHONPATH")] if p])
+        [INJECT, paths.rel[c["release"]], REPO] + te_paths(c, env))
     env.update(CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                NVTE_FLASH_ATTN="0", NVTE_FUSED_ATTN="0", MFSDP_MLM_CAPTURE=folder)
     for k in ("MFSDP_HOTFIX", "MFSDP_HOTFIX_AUDIT", "CUDA_LAUNCH_BLOCKING"):
@@ -339,6 +354,20 @@ def command(c: dict[str, Any], paths: Paths, folder: str, cycles_per_ms: float
             env["MFSDP_HOTFIX"] = "0"
         job = hotfix_cli + ["audit", "--out", os.path.join(folder, "audit", "run"), "--"] + job
     return job, env
+
+
+def te_paths(c: dict[str, Any], env: dict[str, str]) -> list[str]:
+    """The ``PYTHONPATH`` tail of a case; a TE case also gets what TE's setup exported (its
+    site folder, library path), when TE was set up by ``megatron_lm_call.sh``."""
+    import engine
+
+    tail = [p for p in [env.get("PYTHONPATH")] if p]
+    if c.get("impl", "te") != "te":
+        return tail
+    te = engine.te_env()
+    if te.get("LD_LIBRARY_PATH"):
+        env["LD_LIBRARY_PATH"] = te["LD_LIBRARY_PATH"]
+    return [p for p in [te.get("PYTHONPATH")] if p] + tail
 
 
 def torchrun() -> list[str]:
@@ -435,6 +464,9 @@ def run_case(c: dict[str, Any], paths: Paths, cycles_per_ms: float, timeout: flo
             else:
                 rec["no_truth"] = "its serialized run left no capture"
     rec["outcome"] = classify(rc, capture, c["iterations"], rec["error"], outcome_cmp)
+    if (capture or {}).get("capture_errors"):
+        rec["outcome"] = "crash"
+        rec["error"] = "harness: capture failed: " + capture["capture_errors"][0]
     loaded = (capture or {}).get("hotfix_loaded")
     if loaded is not None and loaded != (c["variant"] in ("hotfix",) + AUDITS):
         # the run is not what its label says: never report it as a result
@@ -462,8 +494,7 @@ def run_unit_tests(c: dict[str, Any], paths: Paths, timeout: float) -> dict[str,
         argv = [sys.executable, "-m", "mfsdp_hotfix", "run", "--"] + argv
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS",
                                                              "MFSDP_HOTFIX")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [src, paths.rel[c["release"]], REPO] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([src, paths.rel[c["release"]], REPO] + te_paths(c, env))
     env["PYTHONUNBUFFERED"] = "1"
     t0 = time.time()
     try:
@@ -512,6 +543,13 @@ class Driver:
                         "matches this release's wheel")
         if c.get("truth_of") in self.truths:
             self.truths[c["truth_of"]].result()
+        if c.get("impl", "te") == "te":
+            import engine
+
+            while engine.te_state() == "building" and time.time() < self.deadline - 30:
+                time.sleep(2)
+            if engine.te_state() == "failed":
+                return dict(c, outcome="not run", error="TransformerEngine's setup failed")
         left = self.deadline - time.time()
         if left < 30:
             return dict(c, outcome="not run", error="time budget exhausted")
@@ -684,7 +722,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--summary", metavar="JSON", help="print the summary rows of a raw record")
     p.add_argument("--megatron-lm", action="append", default=[], metavar="[RELEASE=]DIR")
     p.add_argument("--releases", default=",".join(RELEASES))
-    p.add_argument("--groups", default="core,dp1,zero1,unit,extras")
+    p.add_argument("--groups", default=",".join(GROUPS))
     p.add_argument("--only", default="", help="regular expression on the case ids")
     p.add_argument("--wheels", default=os.path.join(HERE, "wheels"))
     p.add_argument("--workers", type=int, default=10)

@@ -127,7 +127,10 @@ def _wrap_train_step(module):
             for chunk_index, pgb in _buffers(model):
                 _count_pool(pgb, chunk_index)
         out = original(*args, **kwargs)
-        _capture(model, out)
+        try:
+            _capture(model, out)
+        except Exception as exc:  # never change the run; the driver reports it as a failure
+            STATE.setdefault("capture_errors", []).append(f"{type(exc).__name__}: {exc}"[:500])
         return out
 
     module.train_step = train_step
@@ -138,6 +141,8 @@ def _capture(model, out):
 
     step = {}
     for name, value in (out[0] or {}).items():
+        if isinstance(value, (tuple, list)):
+            value = torch.stack([torch.as_tensor(v).float() for v in value])
         step[f"loss/{name}"] = torch.as_tensor(value).detach().clone()
     grad_norm = out[5]
     if grad_norm is not None:
