@@ -81,7 +81,7 @@ ROW_KEYS = ("id", "group", "release", "dp", "launcher", "zero", "dtype", "overla
             "overlap_param_gather", "recompute", "moe", "variant", "delay_ms", "serialized",
             "outcome", "rel_l2", "max_abs", "first_bad_step", "iterations", "grad_pool_allocations",
             "audit", "error")
-OUTCOMES = ("exact", "wrong", "crash", "unsupported", "ok", "not run")
+OUTCOMES = ("exact", "wrong", "crash", "unsupported", "ok", "ran, no truth", "not run")
 
 
 # ------------------------------------------------------------------------- the checkout
@@ -653,6 +653,59 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
             "rows": [row(r) for r in results], "unit_tests": unit_test_table(results)}
 
 
+def cell(r: dict[str, Any]) -> str:
+    """One run's outcome as a table cell."""
+    o = r["outcome"]
+    if o == "wrong":
+        return f"wrong (rel. L2 {r['rel_l2']:.2g})" if r["rel_l2"] is not None else "wrong"
+    if o in ("crash", "unsupported", "not run"):
+        why = (r.get("error") or "").split("\n")[0].replace("|", "/")[:80]
+        return f"{o}: {why}" if why else o
+    return o
+
+
+def report_tables(doc: dict[str, Any]) -> str:
+    """Markdown tables of a summary (``--report``): DP=2 runs (one row per configuration and
+    variant: its serialized run and each delay, each against the serialized run), the DP=1 and
+    audit routes, and the unit tests."""
+    rows = doc["rows"]
+    out = ["| release | layers | ZeRO | dtype | also | variant | serialized | 0 ms | 20 ms |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    seen: dict[tuple, dict[str, str]] = {}
+    for r in rows:
+        if r["group"] == "unit" or r["dp"] != 2 or r["variant"] in AUDITS:
+            continue
+        also = ", ".join(x for x, on in (("recompute", r["recompute"]), ("MoE", r["moe"]),
+                                         ("no overlap", not r["overlap_grad_reduce"])) if on)
+        layers = "local" if "|local|" in r["id"] else "TE"
+        key = (r["release"], layers, r["zero"], r["dtype"], also or "–", r["variant"])
+        col = "serialized" if r["serialized"] else f"{r['delay_ms']:g} ms"
+        seen.setdefault(key, {})[col] = cell(r)
+    for key, cols in seen.items():
+        out.append("| " + " | ".join(str(k) for k in key) + " | " + " | ".join(
+            cols.get(c, "–") for c in ("serialized", "0 ms", "20 ms")) + " |")
+    out += ["", "| release | world size | route | variant | delay ms | outcome | "
+            "gradient-pool allocations | audit verdict |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["group"] == "unit" or (r["dp"] == 2 and r["variant"] not in AUDITS):
+            continue
+        route = "torchrun, NCCL" if r["launcher"] == "torchrun" else "--fake-process-group"
+        run = "serialized" if r["serialized"] else f"{r['delay_ms']:g}"
+        pools = "–" if r["grad_pool_allocations"] is None else str(r["grad_pool_allocations"])
+        out.append(f"| {r['release']} | {r['dp']} | {route} | {r['variant']} | {run} | "
+                   f"{cell(r)} | {pools} | {r['audit'] or '–'} |")
+    units = doc.get("unit_tests") or {}
+    if units:
+        out += ["", "| release | test | as shipped | with the hotfix |", "|---|---|---|---|"]
+        for rel, both in units.items():
+            shipped, hotfix = both.get("shipped") or {}, both.get("hotfix") or {}
+            for test in sorted(set(shipped) | set(hotfix)):
+                out.append(f"| {rel} | {test.split('::')[-1]} | "
+                           f"{shipped.get(test, '–').split(':')[0]} | "
+                           f"{hotfix.get(test, '–').split(':')[0]} |")
+    return "\n".join(out)
+
+
 def env_info() -> dict[str, Any]:
     code = ("import json,torch\nout={'torch':torch.__version__,'gpu':torch.cuda.get_device_name(0)}\n"
             "try:\n import transformer_engine as te; out['te']=te.__version__\n"
@@ -719,7 +772,8 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="")
     p.add_argument("--dry", action="store_true", help="print the plan (id and command line)")
-    p.add_argument("--summary", metavar="JSON", help="print the summary rows of a raw record")
+    p.add_argument("--summary", metavar="JSON", help="print the summary of a raw record")
+    p.add_argument("--report", metavar="JSON", help="print the markdown tables of a summary")
     p.add_argument("--megatron-lm", action="append", default=[], metavar="[RELEASE=]DIR")
     p.add_argument("--releases", default=",".join(RELEASES))
     p.add_argument("--groups", default=",".join(GROUPS))
@@ -745,6 +799,9 @@ if __name__ == "__main__":
         opener = gzip.open if args.summary.endswith(".gz") else open
         with opener(args.summary, "rt") as f:
             print(json.dumps(summary(json.load(f)), indent=1))
+    elif args.report:
+        with open(args.report) as f:
+            print(report_tables(json.load(f)))
     elif not args.out:
         sys.exit("--out is required")
     else:
