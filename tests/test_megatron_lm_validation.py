@@ -216,3 +216,21 @@ def test_the_committed_summary_is_what_the_raw_record_gives() -> None:
         "run python validation/megatron_lm.py --summary " + str(RAW.relative_to(REPO)))
     assert all(r["outcome"] in mlm.OUTCOMES for r in committed["rows"])
     assert all(check["matches"] for check in committed["checkouts"].values())
+
+
+def test_unit_test_outcomes_are_read_from_pytests_verbose_lines_as_they_come() -> None:
+    log = ("tests/unit_tests/a.py::TestA::test_x[a-b] PASSED [ 10%]\n"
+           "tests/unit_tests/a.py::test_y SKIPPED (This test requires 8 GPUs) [ 20%]\n"
+           "tests/unit_tests/a.py::test_z PASSED [ 30%]\n"
+           "tests/unit_tests/a.py::test_z ERROR [ 30%]\n"
+           "some other line\n")
+    assert mlm.pytest_outcomes(log) == {
+        "tests/unit_tests/a.py::TestA::test_x[a-b]": "passed",
+        "tests/unit_tests/a.py::test_y": "skipped: This test requires 8 GPUs",
+        "tests/unit_tests/a.py::test_z": "error"}
+    table = mlm.unit_test_table([
+        dict(group="unit", release="core-0.19.2", variant="shipped",
+             tests={"t::a": "passed", "t::b": "skipped: x"}),
+        dict(group="unit", release="core-0.19.2", variant="hotfix",
+             tests={"t::a": "failed", "t::b": "skipped: x"})])
+    assert table["core-0.19.2"]["differ"] == ["t::a"]

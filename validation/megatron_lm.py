@@ -50,7 +50,6 @@ import subprocess
 import sys
 import threading
 import time
-import xml.etree.ElementTree as ET
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -172,9 +171,10 @@ def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
         if group == "local":
             for zero in (3, 2):
                 out.extend(configurations(first, 2, zero, "fp32", group="local", impl="local"))
-        elif group == "core":
+        elif group in ("core", "core3", "core2"):  # core3/core2: its ZeRO-3/ZeRO-2 half
+            zeros = {"core": (3, 2), "core3": (3,), "core2": (2,)}[group]
             for rel in (first,) + tuple(rest):
-                for zero in (3, 2):
+                for zero in zeros:
                     for dtype in ("fp32", "bf16"):
                         out.extend(configurations(rel, 2, zero, dtype, group="core"))
                     if zero == 3:  # the audit route on the DP=2 job, at the delay that
@@ -202,7 +202,8 @@ def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
                 out.extend(configurations(rel, 2, 3, "bf16", recompute=True, group="extras"))
                 out.extend(configurations(rel, 2, 3, "bf16", moe=True, group="extras"))
         else:
-            raise ValueError(f"unknown group {group!r} (known: {', '.join(GROUPS)})")
+            raise ValueError(f"unknown group {group!r} (known: {', '.join(GROUPS)}, and "
+                             "core3 / core2 for the halves of core)")
     ids = [c["id"] for c in out]
     assert len(ids) == len(set(ids)), "a case is planned twice"
     return out
@@ -429,14 +430,7 @@ def run_case(c: dict[str, Any], paths: Paths, cycles_per_ms: float, timeout: flo
     os.makedirs(folder)
     argv, env = command(c, paths, folder, cycles_per_ms)
     t0 = time.time()
-    try:
-        p = subprocess.run(argv, env=env, cwd=folder, capture_output=True, text=True,
-                           timeout=timeout)
-        rc, log = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc = "timeout"
-        log = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(
-            errors="replace") if isinstance(e.stdout, bytes) else str(e)
+    rc, log = _run(argv, env, folder, timeout)
     rec = dict(c, argv=argv, rc=rc, proc_s=round(time.time() - t0, 1))
     cap_json = os.path.join(folder, "capture.json")
     capture = None
@@ -485,14 +479,14 @@ def run_case(c: dict[str, Any], paths: Paths, cycles_per_ms: float, timeout: flo
 
 
 def run_unit_tests(c: dict[str, Any], paths: Paths, timeout: float) -> dict[str, Any]:
-    """Megatron-LM's Megatron-FSDP unit tests on one GPU, as shipped or with the hotfix."""
+    """Megatron-LM's Megatron-FSDP unit tests on one GPU, as shipped or with the hotfix. Each
+    test's end is read from pytest's verbose lines as they come, so a run cut by the time budget
+    keeps the tests it finished (and says it was cut)."""
     src = paths.src[c["release"]]
     folder = os.path.join(workdir.run_dir(), "cases", c["id"].replace("|", "_"))
     os.makedirs(folder)
-    junit = os.path.join(folder, "junit.xml")
     argv = torchrun() + ["--nproc-per-node", "1", "--master-port", str(free_port()), "-m",
-            "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-            UNIT_TESTS[c["release"]]]
+                         "pytest", "-v", "-p", "no:cacheprovider", UNIT_TESTS[c["release"]]]
     if c["variant"] == "hotfix":
         argv = [sys.executable, "-m", "mfsdp_hotfix", "run", "--"] + argv
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS",
@@ -500,31 +494,48 @@ def run_unit_tests(c: dict[str, Any], paths: Paths, timeout: float) -> dict[str,
     env["PYTHONPATH"] = os.pathsep.join([src, paths.rel[c["release"]], REPO] + te_paths(c, env))
     env["PYTHONUNBUFFERED"] = "1"
     t0 = time.time()
-    try:
-        p = subprocess.run(argv, env=env, cwd=src, capture_output=True, text=True,
-                           timeout=timeout)
-        rc, log = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, log = "timeout", str(e)
-    rec = dict(c, argv=argv, rc=rc, proc_s=round(time.time() - t0, 1),
-               tests=junit_outcomes(junit) if os.path.exists(junit) else None)
-    rec["outcome"] = "ok" if rec["tests"] is not None else "crash"
+    rc, log = _run(argv, env, src, timeout)
+    tests = pytest_outcomes(log)
+    rec = dict(c, argv=argv, rc=rc, proc_s=round(time.time() - t0, 1), tests=tests,
+               cut=rc == "timeout")
+    rec["outcome"] = "ok" if tests and rc != "timeout" else "crash"
+    if rc == "timeout":
+        rec["error"] = f"cut by the time budget after {len(tests)} tests"
+    elif not tests:
+        rec["error"] = last_error(log) or f"exit status {rc}"
     rec["log_tail"] = log[-5000:]
     return rec
 
 
-def junit_outcomes(path: str) -> dict[str, str]:
-    """test id -> passed | failed | error | skipped (with the skip reason)."""
-    out = {}
-    for tc in ET.parse(path).getroot().iter("testcase"):
-        name = f"{tc.get('classname')}::{tc.get('name')}"
-        state = "passed"
-        for child in tc:
-            if child.tag in ("failure", "error"):
-                state = child.tag.replace("failure", "failed")
-            elif child.tag == "skipped":
-                state = "skipped: " + (child.get("message") or "")[:200]
-        out[name] = state
+def _run(argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> tuple[Any, str]:
+    """(exit status or "timeout", the output so far)."""
+    try:
+        p = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
+                           timeout=timeout)
+        return p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        parts = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                 for x in (e.stdout, e.stderr)]
+        return "timeout", "".join(parts)
+
+
+PYTEST_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b ?(.*?)"
+                         r"(?:\s+\[\s*\d+%\])?$")
+
+
+def pytest_outcomes(log: str) -> dict[str, str]:
+    """test id -> passed | failed | error | skipped: reason | xfail | xpass, from ``pytest -v``
+    output (a test reported twice, e.g. passed then errored in teardown, keeps the worse)."""
+    out: dict[str, str] = {}
+    for line in log.splitlines():
+        m = PYTEST_LINE.match(line.strip())
+        if not m:
+            continue
+        state = m.group(2).lower()
+        if state == "skipped":
+            state += ": " + m.group(3).strip(" ()")[:200]
+        if out.get(m.group(1), "").split(":")[0] not in ("failed", "error"):
+            out[m.group(1)] = state
     return out
 
 
