@@ -20,8 +20,8 @@ import pytest
 import releases
 import snapshots
 import upstream_change
-from conftest import run_python
 from configurations import MAXPOOL, grads_equal
+from conftest import run_python
 from upstream_change import TREES, DoesNotApply
 
 from mfsdp_hotfix import registry
