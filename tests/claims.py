@@ -217,10 +217,10 @@ VERSIONS = set().union(*RELEASES.values()) | {
     "3.11.7", "3.12.1", "3.12.3",  # Python
     "580.159.04",  # the NVIDIA driver of the GPU records
 }
-# NVIDIA/Megatron-LM PRs: #5222 #5657 #5865 #6187 #6316 #6317 #6318 #6357 #6665 #6773 have refs in
+# NVIDIA/Megatron-LM PRs: #4054 #5222 #5657 #5865 #6187 #6316 #6317 #6318 #6357 #6665 #6773 have refs in
 # the clone (refs/pull/N/head, or merged on main); #7001 and #7101 were opened after it was
 # taken (docs/MEGATRON_FSDP_V2.md says so). ROCm/Megatron-LM #146; PyTorch #125484.
-UPSTREAM_PRS = {"#146", "#5222", "#5657", "#5865", "#6187", "#6316", "#6317", "#6318", "#6357",
+UPSTREAM_PRS = {"#146", "#4054", "#5222", "#5657", "#5865", "#6187", "#6316", "#6317", "#6318", "#6357",
                 "#6665", "#6773", "#7001", "#7101", "#125484"}
 # Commits: NVIDIA main and the PR heads as the clone has them (d98e8a64dd main, f7b65d4a2e
 # #6316, a932341e12 #6317, aea2db8a7c #6318, 1c2b310fd1 #6665, d732aa1e2e #5657); the others
@@ -308,7 +308,7 @@ def exit_statuses() -> dict[str, int]:
 EXIT_STATUSES = set(exit_statuses().values())
 DATES = {"2026-08-22", "2026-12-02", "2026-12-03", "2026-12-04", "2026-12-05"}
 WORDS = {  # identifiers with a digit in their name
-    "ZeRO-1", "ZeRO-2", "ZeRO-3", "z1", "z2", "z3", "H200", "one-H200", "nvidia-h200", "fp32",
+    "ZeRO-1", "ZeRO-2", "ZeRO-3", "z1", "z2", "z3", "H200", "H100", "one-H200", "nvidia-h200", "fp32",
     "bf16", "fp8", "FP8", "bfloat16", "torch.bfloat16", "torch.float32", "TF32", "L2", "p10",
     "p90", "d0", "d5", "d20", "d50", "16k", "16k-async", "c10d", "sm_90", "python3", "b0", "b1",
     "b2", "rep0", "rep1", "run1", "run42", "fp8_param_gather", "fsdp_fp8_transpose_params",
@@ -1339,6 +1339,45 @@ claim(VAL, "0.5.1: **{:.3f}** with the plain fake group, **{:g} (equal values)**
       "semantics", CASES,
       lambda cases: (rel_l2(cases, "fsdp-0.5.1|z3|fused+head|fake|nodb|d0|big"),
                      rel_l2(cases, "fsdp-0.5.1|z3|fused+head|nccl_sem|nodb|d0|big")))
+
+
+# The change proposed upstream on one H100 (the upstream phase, and the step time beside it).
+UPSTREAM_DOC = "docs/UPSTREAM.md"
+UPSTREAM_RAW = "gpu-call6-upstream.json.gz"
+UPSTREAM_PERF = "upstream-perf-h100.json"
+
+
+def upstream_runs(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r["spec"] for r in rec["records"] if r.get("spec") and not r["spec"].get("serialized")]
+
+
+claim(UPSTREAM_DOC, "ZeRO-2 and ZeRO-3, fp32, {} units", UPSTREAM_RAW,
+      lambda rec: (only(s["units"] for s in upstream_runs(rec)),))
+claim(UPSTREAM_DOC, "each reduce-scatter delayed {} or {} ms", UPSTREAM_RAW,
+      lambda rec: tuple(sorted({s.get("delay_ms", 0) for s in upstream_runs(rec)})))
+claim(UPSTREAM_DOC, "run on one NVIDIA {}. Every row is bit-identical at both delays, and the "
+      "audit finds no unordered reuse", "upstream-summary.json",
+      lambda rows: ("H100",) if all(r["outcome"] == "exact" and r["audit_unordered"] == 0
+                                    and r["audit_reuses"] for r in rows) else ())
+
+
+def upstream_step_times(rec: dict[str, Any]) -> tuple[Any, ...]:
+    """Median step ms of patched main (no hotfix) per repetition, then of 0.6.1 with the hotfix,
+    then their ratios, then the one peak memory of all runs."""
+    def medians(release: str) -> list[float]:
+        return [c["result"]["step_ms_median"] for c in sorted(rec["cases"], key=lambda c: c["rep"])
+                if c["release"] == release]
+    patched, hotfix = medians("upstream-main"), medians("fsdp-0.6.1")
+    return (*patched, *hotfix, *(p / h for p, h in zip(patched, hotfix, strict=True)),
+            only(c["result"]["peak_mem_mb"] for c in rec["cases"]))
+
+
+claim(UPSTREAM_DOC, "bf16, hidden {}, {} units, ZeRO-{}", UPSTREAM_PERF,
+      lambda rec: tuple(only(c["harness"][k] for c in rec["cases"])
+                        for k in ("hidden", "units", "zero")))
+claim(UPSTREAM_DOC, "patched main without the hotfix {:.1f} and {:.1f} ms median per step, the "
+      "hotfix on megatron-fsdp 0.6.1 {:.1f} and {:.1f} ms (ratio {:.3f} and {:.3f}); peak memory "
+      "{:.0f} MB for both", UPSTREAM_PERF, upstream_step_times)
 
 
 if __name__ == "__main__":
