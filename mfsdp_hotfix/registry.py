@@ -231,6 +231,13 @@ class Era:
     without_hotfix: str
 
 
+# The change this project proposes upstream (upstream/PR.md): the drain waits on the caller's
+# stream again, as it did before megatron-core 0.18 (NVIDIA/Megatron-LM#4054 moved it to
+# rs_stream). A copy whose getter drains and whose drain already does this is era "none".
+ORDERED_DRAIN_UPSTREAM = (
+    "the upstream change 'Megatron-FSDP: wait on the writer's stream when recycling a "
+    "double-buffer gradient slot' (mfsdp-hotfix upstream/main.patch, upstream/pr6316.patch)")
+
 _ONLY_NO_DOUBLE_BUFFER = (
     "only fsdp_double_buffer=False; turning fused wgrad accumulation off does NOT protect "
     "(gradients measured wrong with real TransformerEngine, docs/VALIDATION.md)")
@@ -245,7 +252,9 @@ ERAS = (
     Era("C", "race when a reduce-scatter is slower than one unit's backward (the drain orders "
              "only rs_stream)", True, "rs_stream", 2, _ONLY_NO_DOUBLE_BUFFER),
     Era("none", "no known defect: the getter drains before it allocates and the drain orders "
-                "the caller's stream", True, "caller", 2, "nothing is needed"),
+                "the caller's stream", True, "caller", 2,
+        "nothing is needed: the copy's own code orders the writer of a recycled slot after the "
+        "reduce-scatter that last read it, as " + ORDERED_DRAIN_UPSTREAM + " does"),
 )
 
 
@@ -286,12 +295,6 @@ GETTER_GUARD = Fix(
     (GETTER, DRAIN, WAIT), True,
     "NVIDIA/Megatron-LM#5222, first released in megatron-core 0.19.0 / megatron-fsdp 0.6.0",
 )
-# The change this project proposes upstream (upstream/PR.md): the drain waits on the caller's
-# stream again, as it did before megatron-core 0.18 (NVIDIA/Megatron-LM#4054 moved it to
-# rs_stream). A copy whose getter drains and whose drain already does this is era "none".
-ORDERED_DRAIN_UPSTREAM = (
-    "the upstream change 'Megatron-FSDP: wait on the writer's stream when recycling a "
-    "double-buffer gradient slot' (mfsdp-hotfix upstream/main.patch, upstream/pr6316.patch)")
 ORDERED_DRAIN = Fix(
     "ordered-drain",
     "at most pool-size units live, counting the incoming one; the stream that writes into a "

@@ -217,11 +217,11 @@ VERSIONS = set().union(*RELEASES.values()) | {
     "3.11.7", "3.12.1", "3.12.3",  # Python
     "580.159.04",  # the NVIDIA driver of the GPU records
 }
-# NVIDIA/Megatron-LM PRs: #4054 #5222 #5657 #5865 #6187 #6316 #6317 #6318 #6357 #6665 #6773 have refs in
-# the clone (refs/pull/N/head, or merged on main); #7001 and #7101 were opened after it was
-# taken (docs/MEGATRON_FSDP_V2.md says so). ROCm/Megatron-LM #146; PyTorch #125484.
-UPSTREAM_PRS = {"#146", "#4054", "#5222", "#5657", "#5865", "#6187", "#6316", "#6317", "#6318", "#6357",
-                "#6665", "#6773", "#7001", "#7101", "#125484"}
+# NVIDIA/Megatron-LM PRs: #4054 #5222 #5657 #5865 #6187 #6316 #6317 #6318 #6357 #6665 #6773 have
+# refs in the clone (refs/pull/N/head, or merged on main); #7001 and #7101 were opened after it
+# was taken (docs/MEGATRON_FSDP_V2.md says so). ROCm/Megatron-LM #146; PyTorch #125484.
+UPSTREAM_PRS = {"#146", "#4054", "#5222", "#5657", "#5865", "#6187", "#6316", "#6317", "#6318",
+                "#6357", "#6665", "#6773", "#7001", "#7101", "#125484"}
 # Commits: NVIDIA main and the PR heads as the clone has them (d98e8a64dd main, f7b65d4a2e
 # #6316, a932341e12 #6317, aea2db8a7c #6318, 1c2b310fd1 #6665, d732aa1e2e #5657); the others
 # are ROCm/Megatron-LM's.
@@ -308,8 +308,9 @@ def exit_statuses() -> dict[str, int]:
 EXIT_STATUSES = set(exit_statuses().values())
 DATES = {"2026-08-22", "2026-12-02", "2026-12-03", "2026-12-04", "2026-12-05"}
 WORDS = {  # identifiers with a digit in their name
-    "ZeRO-1", "ZeRO-2", "ZeRO-3", "z1", "z2", "z3", "H200", "H100", "one-H200", "nvidia-h200", "fp32",
-    "bf16", "fp8", "FP8", "bfloat16", "torch.bfloat16", "torch.float32", "TF32", "L2", "p10",
+    "ZeRO-1", "ZeRO-2", "ZeRO-3", "z1", "z2", "z3", "H200", "H100", "one-H200", "nvidia-h200",
+    "fp32", "bf16", "fp8", "FP8", "bfloat16", "torch.bfloat16", "torch.float32", "TF32", "L2",
+    "p10",
     "p90", "d0", "d5", "d20", "d50", "16k", "16k-async", "c10d", "sm_90", "python3", "b0", "b1",
     "b2", "rep0", "rep1", "run1", "run42", "fp8_param_gather", "fsdp_fp8_transpose_params",
     "Float8Tensor", "libcupti.so.12", "top-1", "1-microbatch", "2-rank", "2-core", "2-slot",
