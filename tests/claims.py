@@ -1,4 +1,4 @@
-"""Every number in README.md and docs/*.md, tied to the record it comes from.
+"""Every number in README.md, docs/*.md and upstream/PR.md, tied to the record it comes from.
 
 ``tests/test_claims.py`` reads the prose of every doc: the text outside fenced code blocks,
 inline code spans and HTML comments. Each number there must be one of
@@ -61,8 +61,9 @@ sys.path.insert(0, str(REPO / "validation"))
 
 
 def docs() -> list[Path]:
-    """README.md and every docs/*.md: a new doc is covered without being named here."""
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    """README.md, every docs/*.md (a new doc is covered without being named here), and the pull
+    request text proposed upstream."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "upstream" / "PR.md"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1373,12 +1374,49 @@ def upstream_step_times(rec: dict[str, Any]) -> tuple[Any, ...]:
             only(c["result"]["peak_mem_mb"] for c in rec["cases"]))
 
 
-claim(UPSTREAM_DOC, "bf16, hidden {}, {} units, ZeRO-{}", UPSTREAM_PERF,
-      lambda rec: tuple(only(c["harness"][k] for c in rec["cases"])
-                        for k in ("hidden", "units", "zero")))
-claim(UPSTREAM_DOC, "patched main without the hotfix {:.1f} and {:.1f} ms median per step, the "
-      "hotfix on megatron-fsdp 0.6.1 {:.1f} and {:.1f} ms (ratio {:.3f} and {:.3f}); peak memory "
-      "{:.0f} MB for both", UPSTREAM_PERF, upstream_step_times)
+PR_DOC = "upstream/PR.md"
+for doc in (UPSTREAM_DOC, PR_DOC):
+    claim(doc, "bf16, hidden {}, {} units, ZeRO-{}", UPSTREAM_PERF,
+          lambda rec: tuple(only(c["harness"][k] for c in rec["cases"])
+                            for k in ("hidden", "units", "zero")))
+    claim(doc, "patched main without the hotfix {:.1f} and {:.1f} ms median per step, the "
+          "hotfix on megatron-fsdp 0.6.1 {:.1f} and {:.1f} ms (ratio {:.3f} and {:.3f}); peak "
+          "memory {:.0f} MB for both", UPSTREAM_PERF, upstream_step_times)
+
+
+def era_c_l2(tables: list[list[dict[str, str]]], k: int) -> tuple[float, float]:
+    """Range of the relative L2 of era C's releases as shipped over the delayed columns of
+    table k, when their hotfix rows are all bit-identical."""
+    era_c = ("fsdp-0.6.1", "core-0.19.2")
+    rows = [r for r in tables[k - 1] if r["release"] in era_c]
+    assert all(v.startswith("0 (") for r in rows if "mfsdp_hotfix" in r["run"]
+               for c, v in r.items() if c.startswith("RS delay"))
+    return lo_hi([num(v) for r in rows if r["run"] == "double buffer, as shipped"
+                  for c, v in r.items() if c.startswith("RS delay") and "**" in v])
+
+
+def report_delays(tables: list[list[dict[str, str]]]) -> tuple[float, float]:
+    """The smallest and largest nonzero reduce-scatter delay of the correctness tables."""
+    return lo_hi([num(c) for c in tables[0][0] if c.startswith("RS delay") and num(c) > 0])
+
+
+claim(PR_DOC, "with each reduce-scatter delayed by {:g} to {:g} ms, give relative L2 errors of "
+      "{:.3f} to {:.3f} for fused-wgrad units and {:.3f} to {:.3f} for units", REPORT,
+      lambda t: (*report_delays(t), *era_c_l2(t, 1), *era_c_l2(t, 2)))
+claim(PR_DOC, "every row is bit-identical at {} ms and wrong at {} ms", "nslot-summary.json",
+      nslot_outcome_delays)
+claim(PR_DOC, "#6316 at N = {} as shipped makes {} of its {} slot reuses unordered", CONFIGS,
+      lambda rows: (row[:3] if (row := nslot_row(rows, "pr6316-rebuilt-fixedpool-count3"))
+                    and row[3] == 0 else ()))
+claim(PR_DOC, "the rows above at {} and {} ms on both trees", UPSTREAM_RAW,
+      lambda rec: tuple(sorted({s.get("delay_ms", 0) for s in upstream_runs(rec)})))
+claim(PR_DOC, "{} of {} runs bit-identical to the serialized run, the audit finding {} unordered "
+      "reuses", "upstream-summary.json",
+      lambda rows: (sum(r["outcome"] == "exact" for r in rows), len(rows),
+                    sum(r["audit_unordered"] for r in rows)))
+claim(PR_DOC, "measured {:.3f} and {:.3f} (megatron-fsdp 0.6.1) and {:.3f} (megatron-core 0.19.2)",
+      REPORT, lambda t: (perf_ratio(t, "fsdp-0.6.1", "0 ms"), perf_ratio(t, "fsdp-0.6.1", "2.0 ms"),
+                         perf_ratio(t, "core-0.19.2", "0 ms")))
 
 
 if __name__ == "__main__":
