@@ -1,8 +1,7 @@
 """Every number in README.md, docs/*.md and upstream/PR.md comes from a committed record (see
 tests/claims.py): generated regions are what their report script prints now, claims recompute
 from their records, identifiers are known, and nothing else is left but the pending list,
-exactly. The summaries are
-what the raw records give."""
+exactly. The summaries are what the raw records give."""
 
 from __future__ import annotations
 
