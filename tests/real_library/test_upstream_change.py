@@ -79,12 +79,14 @@ def _read(path: Path) -> dict[str, str]:
 def _run_upstream_test(tree: Path, tmp_path: Path) -> tuple[int, str]:
     """Run upstream's regression test, as Megatron-LM lays it out, against ``tree``'s
     ``megatron_fsdp`` placed where Megatron-LM keeps it; on CPU, CUDA streams and events come
-    from the happens-before stand-in (which records who waited on what, as CUDA orders it)."""
+    from the happens-before stand-in (which records who waited on what, as CUDA orders it), and
+    the test's "needs CUDA" skip is answered yes."""
     root = upstream_change.vendored_layout(tree, tmp_path / "root")
     test = tmp_path / upstream_change.UPSTREAM_TEST.name
     shutil.copy(upstream_change.UPSTREAM_TEST, test)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    code = ("import sys; from mfsdp_hotfix.selftest import cuda_standin; cuda_standin.install(); "
+    code = ("import sys, torch; from mfsdp_hotfix.selftest import cuda_standin; "
+            "cuda_standin.install(); torch.cuda.is_available = lambda: True; "
             "import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', "
             f"'--rootdir', {str(tmp_path)!r}, {str(test)!r}]))")
     proc = run_python(code, root, env={"MFSDP_HOTFIX": "0"})
