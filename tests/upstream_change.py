@@ -14,6 +14,7 @@ the target file, or the patch "does not apply"; nothing is fuzzed.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 from dataclasses import dataclass
@@ -113,13 +114,14 @@ TREES = {t.name: t for t in (
 
 
 def patched(name: str) -> Path | None:
-    """The patched copy ``name`` (standalone ``megatron_fsdp`` layout), built once into the test
-    cache; None where its base needs a Megatron-LM clone that is not there."""
+    """The patched copy ``name`` (standalone ``megatron_fsdp`` layout), built once per patch text
+    into the test cache; None where its base needs a Megatron-LM clone that is not there."""
     tree = TREES[name]
     base = tree.base()
     if base is None:
         return None
-    target = releases.CACHE / "upstream-patched" / name
+    digest = hashlib.sha256(tree.patch.read_bytes()).hexdigest()[:12]
+    target = releases.CACHE / "upstream-patched" / f"{name}-{digest}"
     if not (target / ".complete").exists():
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(base, target, ignore=shutil.ignore_patterns(".complete"))
