@@ -159,6 +159,7 @@ def configurations(release: str, dp: int, zero: int, dtype: str, ogr: bool = Tru
 
 
 GROUPS = ("local", "core", "dp1", "zero1", "unit", "extras")
+MORE_GROUPS = ("core3", "core2", "dp1-local")  # parts of the above, or without TE
 
 
 def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
@@ -181,12 +182,13 @@ def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
                         # breaks the shipped code
                         out.extend(case("core", rel, variant=v, delay_ms=DELAYS[-1])
                                    for v in AUDITS)
-        elif group == "dp1":
+        elif group in ("dp1", "dp1-local"):
             # world size 1, real NCCL: the plain route and the audit route (no fake group, no
-            # delay)
+            # delay); dp1-local: the same without TE
+            impl = "local" if group == "dp1-local" else "te"
             out.extend(configurations(first, 1, 3, "fp32", delays=(0.0,), group="dp1",
-                                      variants=("shipped", "hotfix")))
-            out.extend(case("dp1", first, dp=1, variant=v) for v in AUDITS)
+                                      variants=("shipped", "hotfix"), impl=impl))
+            out.extend(case("dp1", first, dp=1, variant=v, impl=impl) for v in AUDITS)
         elif group == "zero1":
             for rel in releases:
                 for ogr in (True, False):
@@ -202,8 +204,8 @@ def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
                 out.extend(configurations(rel, 2, 3, "bf16", recompute=True, group="extras"))
                 out.extend(configurations(rel, 2, 3, "bf16", moe=True, group="extras"))
         else:
-            raise ValueError(f"unknown group {group!r} (known: {', '.join(GROUPS)}, and "
-                             "core3 / core2 for the halves of core)")
+            raise ValueError(f"unknown group {group!r} (known: "
+                             f"{', '.join(GROUPS + MORE_GROUPS)})")
     ids = [c["id"] for c in out]
     assert len(ids) == len(set(ids)), "a case is planned twice"
     return out
@@ -577,7 +579,7 @@ class Driver:
         self.unit_timeout = unit_timeout
         self.truths: dict[str, cf.Future] = {}
         # runs without TE while TE is being built: a few, so that the build keeps its cores
-        self.no_te_slots = threading.BoundedSemaphore(max(1, min(workers, 5)))
+        self.no_te_slots = threading.BoundedSemaphore(max(1, min(workers, 6)))
 
     def one(self, c: dict[str, Any]) -> dict[str, Any]:
         if c["release"] not in self.paths.src:
@@ -726,15 +728,16 @@ def report_tables(doc: dict[str, Any]) -> str:
     for key, cols in seen.items():
         out.append("| " + " | ".join(str(k) for k in key) + " | " + " | ".join(
             cols.get(c, "–") for c in ("serialized", "0 ms", "20 ms")) + " |")
-    out += ["", "| release | world size | route | variant | delay ms | outcome | "
-            "gradient-pool allocations | audit verdict |", "|---|---|---|---|---|---|---|---|"]
+    out += ["", "| release | layers | world size | route | variant | delay ms | outcome | "
+            "gradient-pool allocations | audit verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["group"] == "unit" or (r["dp"] == 2 and r["variant"] not in AUDITS):
             continue
         route = "torchrun, NCCL" if r["launcher"] == "torchrun" else "--fake-process-group"
         run = "serialized" if r["serialized"] else f"{r['delay_ms']:g}"
         pools = "–" if r["grad_pool_allocations"] is None else str(r["grad_pool_allocations"])
-        out.append(f"| {r['release']} | {r['dp']} | {route} | {r['variant']} | {run} | "
+        layers = "local" if "|local|" in r["id"] else "TE"
+        out.append(f"| {r['release']} | {layers} | {r['dp']} | {route} | {r['variant']} | {run} | "
                    f"{cell(r)} | {pools} | {r['audit'] or '–'} |")
     units = doc.get("unit_tests") or {}
     if units:
