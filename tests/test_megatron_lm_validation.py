@@ -234,3 +234,21 @@ def test_unit_test_outcomes_are_read_from_pytests_verbose_lines_as_they_come() -
         dict(group="unit", release="core-0.19.2", variant="hotfix",
              tests={"t::a": "failed", "t::b": "skipped: x"})])
     assert table["core-0.19.2"]["differ"] == ["t::a"]
+
+
+def test_serialized_runs_are_compared_with_the_shipped_one_of_their_configuration(
+        tmp_path: Path) -> None:
+    import torch
+
+    steps = [{"grad/0.0": torch.arange(4.0), "loss/lm loss": torch.tensor(1.5)}]
+    other = [{"grad/0.0": torch.arange(4.0) + 1, "loss/lm loss": torch.tensor(1.5)}]
+    results = []
+    for variant, data in (("shipped", steps), ("hotfix", steps), ("db-off", other)):
+        c = mlm.case("core", "core-0.19.2", variant=variant, serialized=True)
+        torch.save(data, tmp_path / f"{variant}.pt")
+        results.append(dict(c, capture_file=str(tmp_path / f"{variant}.pt")))
+    pairs = mlm.serialized_pairs(results)
+    config = results[0]["config"]
+    assert pairs[f"{config}|hotfix"]["outcome"] == "exact"
+    assert pairs[f"{config}|db-off"]["outcome"] == "wrong"
+    assert pairs[f"{config}|db-off"]["differing"] == ["grad/0.0"]
