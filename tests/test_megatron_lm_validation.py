@@ -49,6 +49,10 @@ def test_the_plan_covers_every_dimension_with_a_serialized_truth_for_each_run() 
     for variant in ("shipped", "hotfix", *mlm.AUDITS):
         assert any(c["id"].startswith(f"{first}|dp1|zero3|fp32|{variant}|") for c in cases)
     assert all(c["launcher"] == "torchrun" for c in runs if c["dp"] == 1)
+    local = mlm.plan(groups=("local", "dp1-local"))
+    assert local and all(c["impl"] == "local" and "|local|" in c["id"] for c in local)
+    assert {c["id"].replace("|local", "") for c in local if c["group"] == "local"} == \
+        {c["id"] for c in cases if c["group"] == "core"}
     # the order of --groups is the order of the runs
     groups = [c["group"] for c in mlm.plan(groups=("dp1", "local"))]
     assert groups == sorted(groups, key=("dp1", "local").index)

@@ -159,28 +159,31 @@ def configurations(release: str, dp: int, zero: int, dtype: str, ogr: bool = Tru
 
 
 GROUPS = ("local", "core", "dp1", "zero1", "unit", "extras")
-MORE_GROUPS = ("core3", "core2", "dp1-local")  # parts of the above, or without TE
+MORE_GROUPS = ("core3", "core2", "local3", "local2", "dp1-local")  # halves, or without TE
 
 
 def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
     """Every run, in the order of ``groups`` (a cut time budget drops the end of the list):
-    ``local`` (no TE: starts while TE is being built), ``core`` (the first release, then the
-    others), ``dp1``, ``zero1``, ``unit``, ``extras`` (fp8, recompute, MoE)."""
+    ``local`` (``core`` without TE: megatron-core's own layers; runs while TE is being built),
+    ``core`` (ZeRO-3 and ZeRO-2, fp32 and bf16, the audit route; the first release, then the
+    others), ``dp1`` (world size one), ``zero1``, ``unit``, ``extras`` (fp8, recompute, MoE);
+    and ``MORE_GROUPS``: ``core3``/``core2`` and ``local3``/``local2`` (one ZeRO level),
+    ``dp1-local`` (world size one without TE)."""
     first, rest = releases[0], releases[1:]
     out: list[dict[str, Any]] = []
     for group in groups:
-        if group == "local":
-            for zero in (3, 2):
-                out.extend(configurations(first, 2, zero, "fp32", group="local", impl="local"))
-        elif group in ("core", "core3", "core2"):  # core3/core2: its ZeRO-3/ZeRO-2 half
-            zeros = {"core": (3, 2), "core3": (3,), "core2": (2,)}[group]
+        if group in ("core", "core3", "core2", "local", "local3", "local2"):
+            # core3/core2 (local3/local2): its ZeRO-3/ZeRO-2 half; local*: without TE
+            zeros = {"": (3, 2), "3": (3,), "2": (2,)}[group[-1] if group[-1] in "23" else ""]
+            impl = "local" if group.startswith("local") else "te"
+            label = "local" if impl == "local" else "core"
             for rel in (first,) + tuple(rest):
                 for zero in zeros:
                     for dtype in ("fp32", "bf16"):
-                        out.extend(configurations(rel, 2, zero, dtype, group="core"))
+                        out.extend(configurations(rel, 2, zero, dtype, group=label, impl=impl))
                     if zero == 3:  # the audit route on the DP=2 job, at the delay that
                         # breaks the shipped code
-                        out.extend(case("core", rel, variant=v, delay_ms=DELAYS[-1])
+                        out.extend(case(label, rel, variant=v, delay_ms=DELAYS[-1], impl=impl)
                                    for v in AUDITS)
         elif group in ("dp1", "dp1-local"):
             # world size 1, real NCCL: the plain route and the audit route (no fake group, no
@@ -599,13 +602,19 @@ class Driver:
             return dict(c, outcome="not run", error="time budget exhausted")
         if c["group"] == "unit":
             return run_unit_tests(c, self.paths, min(self.unit_timeout, left))
-        if c.get("impl") == "local":
+        if c.get("impl") == "local" and self.te_building():
             with self.no_te_slots:
                 left = self.deadline - time.time()
                 if left < 30:
                     return dict(c, outcome="not run", error="time budget exhausted")
                 return run_case(c, self.paths, self.cpm, min(self.case_timeout, left))
         return run_case(c, self.paths, self.cpm, min(self.case_timeout, left))
+
+    @staticmethod
+    def te_building() -> bool:
+        import engine
+
+        return bool(engine.te_state() == "building")
 
     def run_all(self, cases: list[dict[str, Any]], log=print,
                 progress=None) -> list[dict[str, Any]]:
