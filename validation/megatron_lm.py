@@ -168,16 +168,21 @@ def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
     ``core`` (ZeRO-3 and ZeRO-2, fp32 and bf16, the audit route; the first release, then the
     others), ``dp1`` (world size one), ``zero1``, ``unit``, ``extras`` (fp8, recompute, MoE);
     and ``MORE_GROUPS``: ``core3``/``core2`` and ``local3``/``local2`` (one ZeRO level),
-    ``dp1-local`` (world size one without TE)."""
-    first, rest = releases[0], releases[1:]
+    ``dp1-local`` (world size one without TE). ``GROUP@RELEASE`` plans a group for one
+    release."""
     out: list[dict[str, Any]] = []
-    for group in groups:
+    for spec in groups:
+        group, _, only = spec.partition("@")  # GROUP@RELEASE: that release only
+        if only and only not in releases:
+            raise ValueError(f"{spec}: {only} is not among the releases {releases}")
+        first, rest = (only, ()) if only else (releases[0], releases[1:])
+        releases_here = (first,) + tuple(rest)
         if group in ("core", "core3", "core2", "local", "local3", "local2"):
             # core3/core2 (local3/local2): its ZeRO-3/ZeRO-2 half; local*: without TE
             zeros = {"": (3, 2), "3": (3,), "2": (2,)}[group[-1] if group[-1] in "23" else ""]
             impl = "local" if group.startswith("local") else "te"
             label = "local" if impl == "local" else "core"
-            for rel in (first,) + tuple(rest):
+            for rel in releases_here:
                 for zero in zeros:
                     for dtype in ("fp32", "bf16"):
                         out.extend(configurations(rel, 2, zero, dtype, group=label, impl=impl))
@@ -193,16 +198,16 @@ def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
                                       variants=("shipped", "hotfix"), impl=impl))
             out.extend(case("dp1", first, dp=1, variant=v, impl=impl) for v in AUDITS)
         elif group == "zero1":
-            for rel in releases:
+            for rel in releases_here:
                 for ogr in (True, False):
                     out.extend(configurations(rel, 2, 1, "fp32", ogr=ogr, group="zero1"))
         elif group == "unit":
-            for rel in releases:
+            for rel in releases_here:
                 out.extend(dict(group="unit", release=rel, variant=v, impl="te",
                                 id=f"{rel}|unit-tests|{v}", serialized=False)
                            for v in ("shipped", "hotfix"))
         elif group == "extras":
-            for rel in releases:
+            for rel in releases_here:
                 out.extend(configurations(rel, 2, 3, "fp8", group="extras"))
                 out.extend(configurations(rel, 2, 3, "bf16", recompute=True, group="extras"))
                 out.extend(configurations(rel, 2, 3, "bf16", moe=True, group="extras"))
