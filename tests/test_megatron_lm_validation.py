@@ -6,7 +6,6 @@ rules hold. The GPU records themselves are tied to docs by tests/test_claims.py.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import subprocess
@@ -208,20 +207,6 @@ def test_summary_rows_have_exactly_the_schema_keys() -> None:
         mlm.report_tables({"rows": rows, "unit_tests": {}})
 
 
-RAW = REPO / "docs" / "validation" / "megatron-lm-h100.json.gz"
-
-
-@pytest.mark.skipif(not RAW.exists(), reason="no Megatron-LM GPU record committed")
-def test_the_committed_summary_is_what_the_raw_record_gives() -> None:
-    with gzip.open(RAW, "rt") as f:
-        raw = json.load(f)
-    committed = json.loads(RAW.with_name("megatron-lm-summary.json").read_text())
-    assert committed == json.loads(json.dumps(mlm.summary(raw))), (
-        "run python validation/megatron_lm.py --summary " + str(RAW.relative_to(REPO)))
-    assert all(r["outcome"] in mlm.OUTCOMES for r in committed["rows"])
-    assert all(check["matches"] for check in committed["checkouts"].values())
-
-
 def test_unit_test_outcomes_are_read_from_pytests_verbose_lines_as_they_come() -> None:
     log = ("tests/unit_tests/a.py::TestA::test_x[a-b] PASSED [ 10%]\n"
            "tests/unit_tests/a.py::test_y SKIPPED (This test requires 8 GPUs) [ 20%]\n"
@@ -256,3 +241,18 @@ def test_serialized_runs_are_compared_with_the_shipped_one_of_their_configuratio
     assert pairs[f"{config}|hotfix"]["outcome"] == "exact"
     assert pairs[f"{config}|db-off"]["outcome"] == "wrong"
     assert pairs[f"{config}|db-off"]["differing"] == ["grad/0.0"]
+
+
+def test_the_command_leaves_the_attention_backend_to_its_flag(tmp_path: Path,
+                                                              monkeypatch: Any) -> None:
+    """GPTModel asserts that NVTE_FLASH_ATTN/NVTE_FUSED_ATTN/NVTE_UNFUSED_ATTN agree with
+    --attention-backend; a value set beside the flag stops every run at model construction."""
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+    paths = mlm.Paths({"core-0.19.2": str(tmp_path)}, {"core-0.19.2": str(tmp_path)})
+    for c in (mlm.case("core", "core-0.19.2"), mlm.case("local", "core-0.19.2", impl="local"),
+              mlm.case("core", "core-0.19.2", variant="hotfix", serialized=True)):
+        argv, env = mlm.command(c, paths, str(tmp_path), 1000.0)
+        assert not {k for k in env if k.startswith("NVTE_") and k.endswith("_ATTN")}, c["id"]
+        assert env.get("CUDA_LAUNCH_BLOCKING") == ("1" if c["serialized"] else None)
+        assert argv[-len(mlm.pretrain_args(c)):] == mlm.pretrain_args(c)
+        assert ("mfsdp_hotfix" in argv) == (c["variant"] == "hotfix")

@@ -345,8 +345,10 @@ def command(c: dict[str, Any], paths: Paths, folder: str, cycles_per_ms: float
     env["PYTHONPATH"] = os.pathsep.join(
         [INJECT, paths.rel[c["release"]], REPO] + te_paths(c, env))
     env.update(CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               NVTE_FLASH_ATTN="0", NVTE_FUSED_ATTN="0", MFSDP_MLM_CAPTURE=folder)
-    for k in ("MFSDP_HOTFIX", "MFSDP_HOTFIX_AUDIT", "CUDA_LAUNCH_BLOCKING"):
+               MFSDP_MLM_CAPTURE=folder)
+    # NVTE_*_ATTN: --attention-backend sets them; GPTModel refuses values set beside it
+    for k in ("MFSDP_HOTFIX", "MFSDP_HOTFIX_AUDIT", "CUDA_LAUNCH_BLOCKING", "NVTE_FLASH_ATTN",
+              "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
         env.pop(k, None)
     if c["serialized"]:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
