@@ -137,19 +137,27 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
         Shape("0.17", "274b821a5fb1391b53f2cc32f68e06300fb7fafb7429e5a54b1f3134b232653f"),
     ),
     # A unit whose post-backward hook never ran stays PRE_BACKWARD; from 0.16 its next
-    # post-forward releases its parameters lazily, before 0.16 it keeps them gathered.
+    # post-forward releases its parameters lazily, before 0.16 it keeps them gathered. Every
+    # release's hooks also reduce unsharded gradients on the last microbatch whatever
+    # overlap_grad_reduce says (reduce-once); NVIDIA/Megatron-LM#6357 reduces them there only
+    # with overlap.
     HOOKS: (
         Shape("0.14", "165cb11b0521d204ab991b78257547ca679b491978d7c2240c64068e0ffe4ce0",
-              needs=frozenset({"missed-post-backward"})),
-        *(Shape(name, fingerprint, note="a stale unit's parameters are released lazily")
+              needs=frozenset({"missed-post-backward", "reduce-once"})),
+        *(Shape(name, fingerprint, needs=frozenset({"reduce-once"}))
           for name, fingerprint in (
               ("0.16", "819fea0a1dbddaa5c909b026dd6660a873509886698a31a6d71e785aef76e450"),
               ("0.17", "32fe8ef255b44a394c015edfbcaaf81868496e158c1dc3d32e7dbae0c93ef99c"),
               ("0.18", "049be221636061637620cac833fc943cf6c8eedd59bd4b659d60f278751407fb"),
               ("0.19", "fa95ce6cc803e35c9d0b319da2ef2115c31985aa725592638fbe1a6343079c9d"))),
-        # Forks and snapshots of 0.16 and later in their own words (the ROCm fork).
-        Shape("releases stale units lazily", structure="releases_stale_units_lazily",
-              note="a stale unit's parameters are released lazily"),
+        # Forks, snapshots and git trees of 0.16 and later in their own words (the ROCm fork,
+        # NVIDIA main), told apart by what their reduction condition yields (structure.py).
+        Shape("releases stale units lazily, reduces unsharded gradients once",
+              structure="lazy_and_reduces_unsharded_once",
+              note="a stale unit's parameters are released lazily; unsharded gradients are "
+                   "reduced in the hooks only with overlap_grad_reduce"),
+        Shape("releases stale units lazily, reduces unsharded gradients in the hooks always",
+              structure="lazy_and_reduces_unsharded_always", needs=frozenset({"reduce-once"})),
     ),
     # Fused wgrad accumulation overwrites main_grad where the parameter says so. Right with
     # sharded gradients (each microbatch's wgrad lands in a fresh bucket that is reduce-scattered
@@ -304,9 +312,19 @@ ZERO1_ACCUMULATE = Fix(
     "megatron-fsdp 0.6.1)",
     gate=OVERWRITE_SETTER,
 )
-# The double buffer's fixes (the eras); ZERO1_ACCUMULATE repairs a release defect outside it.
+REDUCE_ONCE = Fix(
+    "reduce-once",
+    "with unsharded gradients (ZeRO-1 'optim', 'no_shard') and overlap_grad_reduce=False, the "
+    "backward hooks leave the reduction to finish_grad_sync, which reduces the buffer once",
+    (), False,
+    "NVIDIA/Megatron-LM#6357 (on main; not in a release as of megatron-core 0.19.2 / "
+    "megatron-fsdp 0.6.1)",
+    gate=HOOKS,
+)
+# The double buffer's fixes (the eras); the others repair release defects outside it and rest on
+# none of the double buffer's functions, so they apply to a copy refused for those.
 DOUBLE_BUFFER_FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
-FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE)
+FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE, REDUCE_ONCE)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
 
 
@@ -391,7 +409,26 @@ ZERO1_FUSED_WGRAD_OVERWRITE = ReleaseDefect(
     "fuser set overwrite_main_grad = True again in their forward pre-hook. Neither is repaired: "
     "use a workaround there",
 )
-RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE,)
+UNSHARDED_GRADS_REDUCED_TWICE = ReleaseDefect(
+    "unsharded-grads-reduced-twice",
+    REDUCE_ONCE.id,
+    {"megatron-fsdp": "0.1.0-0.6.1", "megatron-core": "0.14.0-0.19.2"},
+    "any copy whose MegatronFSDP._register_fsdp_hooks reduces unsharded gradients on "
+    "is_last_microbatch or model_auto_sync without asking overlap_grad_reduce (git installs of "
+    "NVIDIA main before NVIDIA/Megatron-LM#6357, forks based on those releases)",
+    "ZeRO-1 (data_parallel_sharding_strategy='optim') or no_shard with "
+    "overlap_grad_reduce=False, any number of microbatches, fused wgrad accumulation or not "
+    "(fully_shard users who turn overlap_grad_reduce off; Megatron-LM and Megatron-Bridge keep "
+    "it on wherever they accumulate)",
+    "silently wrong gradients: the backward hooks reduce the unsharded buffer on the last "
+    "microbatch and finish_grad_sync reduces it again (ZeRO-1: a second reduce-scatter of the "
+    "already reduced buffer; no_shard: a second all-reduce, harmless with averaging but a factor "
+    "of the data-parallel size with a SUM reduction, calculate_per_token_loss)",
+    ("overlap_grad_reduce=True (the default)",),
+    REDUCE_ONCE.upstream,
+    "nothing: every configuration with the defect is repaired where the fix applies",
+)
+RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE, UNSHARDED_GRADS_REDUCED_TWICE)
 
 
 def defects_of(fixes: Mapping[str, str]) -> list[ReleaseDefect]:

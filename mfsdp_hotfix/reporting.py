@@ -43,6 +43,8 @@ FIX_STATES = {
     "unverified": "this copy's code around the fix is not a shape the hotfix knows: not "
                   "applied, and building a model in a configuration it covers is refused",
     "off": f"{settings_module.SWITCH}=0",
+    installer.REFUSED: "the copy is refused and this fix rests on code the hotfix does not "
+                       "recognise there: not applied (see the copy's reason for the workaround)",
 }
 SHAPE_MEANING = ("each function is judged by its own code: 'as shipped in 0.17' means its text "
                  "equals megatron-core 0.17.0's, layout and comments aside (the releases of both "
@@ -120,7 +122,7 @@ def judged_offline(found: detection.Detection, settings: settings_module.Setting
     imported while the hotfix was off): what would apply, and why."""
     fixes: dict[str, dict[str, str]] = {}
     states: dict[str, tuple[str, str]] = {}
-    for fix in [] if found.refused else registry.FIXES:
+    for fix in registry.FIXES:
         state, reason = states[fix.id] = installer.fix_state(fix, found, settings)
         fixes[fix.id] = {"state": state,
                          "reason": fix.summary if state == installer.WOULD_APPLY else reason}

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import ast
 import textwrap
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 
 def drains_before_fetching(source: str) -> bool:
@@ -202,11 +205,163 @@ def always_overwrites_main_grad(source: str) -> bool:
 
 
 def decides_overwrite_main_grad(source: str) -> bool:
-    """Whether the function assigns ``<anything>.overwrite_main_grad`` and never the constant
-    ``True``: the value is computed (from the strategy, as NVIDIA/Megatron-LM#6357 does, or per
-    parameter)."""
+    """Whether the function assigns ``<anything>.overwrite_main_grad`` and every such value,
+    evaluated for each sharding strategy (:func:`_evaluate`), is True exactly where gradients are
+    sharded (optim_grads, optim_grads_params), as NVIDIA/Megatron-LM#6357 decides. A value that
+    cannot be evaluated from the strategy alone, or that yields anything else (``strategy !=
+    "no_shard"`` is True for ZeRO-1), is not recognised."""
     values = _overwrite_main_grad_values(source)
-    return bool(values) and not any(isinstance(value, ast.Constant) for value in values)
+    if not values:
+        return False
+    for strategy in STRATEGIES:
+        model = _model(strategy)
+        for value in values:
+            try:
+                if _evaluate(value, {"self": model}) is not (strategy in SHARDED_GRADIENTS):
+                    return False
+            except _Unknown:
+                return False
+    return True
+
+
+def lazy_and_reduces_unsharded_once(source: str) -> bool:
+    """``MegatronFSDP._register_fsdp_hooks`` that releases stale units lazily
+    (:func:`releases_stale_units_lazily`) and reduces gradients in its backward hooks exactly
+    when NVIDIA/Megatron-LM#6357 does (:func:`hook_reduction`)."""
+    return releases_stale_units_lazily(source) and hook_reduction(source) == REDUCES_ONCE
+
+
+def lazy_and_reduces_unsharded_always(source: str) -> bool:
+    """As :func:`lazy_and_reduces_unsharded_once`, with the releases' reduction condition: the
+    hooks reduce unsharded gradients on the last microbatch whatever overlap_grad_reduce says."""
+    return releases_stale_units_lazily(source) and hook_reduction(source) == REDUCES_ALWAYS
+
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
+REDUCES_ONCE, REDUCES_ALWAYS = "once", "always"
+
+
+def hook_reduction(source: str) -> str | None:
+    """When the backward hooks of ``_register_fsdp_hooks`` reduce gradients: every ``if`` whose
+    body calls ``<...>.reduce_gradients(...)`` is evaluated (:func:`_evaluate`, with the names
+    its enclosing function assigned before it) for each strategy, ``overlap_grad_reduce``,
+    ``is_last_microbatch`` and ``model_auto_sync``. :data:`REDUCES_ONCE`: each reduces with
+    sharded gradients, else only with overlap on the last microbatch or auto-sync
+    (NVIDIA/Megatron-LM#6357). :data:`REDUCES_ALWAYS`: each reduces with sharded gradients, on
+    the last microbatch or with auto-sync (every release). None: anything else, or no such
+    ``if``."""
+    function = _only_function(source)
+    if function is None:
+        return None
+    tables = []
+    for scope in ast.walk(function):
+        if not isinstance(scope, ast.FunctionDef) or scope is function:
+            continue
+        for statement in ast.walk(scope):
+            if isinstance(statement, ast.If) and any(
+                    _attribute(call.func) == "reduce_gradients"
+                    for body_statement in statement.body for call in ast.walk(body_statement)
+                    if isinstance(call, ast.Call)):
+                tables.append(_reduction_table(scope, statement))
+    if not tables or None in tables:
+        return None
+    for name, wanted in ((REDUCES_ONCE, True), (REDUCES_ALWAYS, False)):
+        expected = {case: sharded or ((overlap or not wanted) and (last or auto))
+                    for case in _reduction_cases()
+                    for sharded, overlap, last, auto in [(case[0] in SHARDED_GRADIENTS,
+                                                          *case[1:])]}
+        if all(table == expected for table in tables):
+            return name
+    return None
+
+
+def _reduction_cases() -> list[tuple[str, bool, bool, bool]]:
+    return [(strategy, overlap, last, auto) for strategy in STRATEGIES
+            for overlap in (False, True) for last in (False, True) for auto in (False, True)]
+
+
+def _reduction_table(scope: ast.FunctionDef, branch: ast.If
+                     ) -> dict[tuple[str, bool, bool, bool], bool] | None:
+    """What ``branch.test`` yields per case, with the names ``scope`` assigned above it."""
+    assignments = [node for node in ast.walk(scope) if isinstance(node, ast.Assign)
+                   and node.lineno < branch.lineno and len(node.targets) == 1
+                   and isinstance(node.targets[0], ast.Name)]
+    assignments.sort(key=lambda node: node.lineno)
+    table = {}
+    for case in _reduction_cases():
+        strategy, overlap, last, auto = case
+        env: dict[str, object] = {"self": _model(strategy, overlap, last, auto)}
+        for node in assignments:
+            try:
+                env[_names(node.targets)[0] or ""] = _evaluate(node.value, env)
+            except _Unknown:
+                continue
+        try:
+            table[case] = bool(_evaluate(branch.test, env))
+        except _Unknown:
+            return None
+    return table
+
+
+def _model(strategy: str, overlap: bool = True, last: bool = False, auto: bool = False
+           ) -> SimpleNamespace:
+    """What a MegatronFSDP's decisions read: its strategy, its ddp_config, its sync flags."""
+    config = SimpleNamespace(data_parallel_sharding_strategy=strategy,
+                             overlap_grad_reduce=overlap)
+    return SimpleNamespace(data_parallel_sharding_strategy=strategy, ddp_config=config,
+                           is_last_microbatch=last, model_auto_sync=auto)
+
+
+class _Unknown(Exception):
+    """An expression :func:`_evaluate` does not evaluate."""
+
+
+def _evaluate(node: ast.expr, env: dict[str, object]) -> object:
+    """The value of a decision made of constants, names in ``env``, attributes of the
+    :func:`_model`, ``getattr(x, "name", default)``, comparisons, ``and``/``or``/``not`` and
+    literal lists; anything else (a call, a subscript, an unknown name) raises _Unknown."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id not in env:
+            raise _Unknown(node.id)
+        return env[node.id]
+    if isinstance(node, ast.Attribute):
+        owner = _evaluate(node.value, env)
+        if not isinstance(owner, SimpleNamespace) or not hasattr(owner, node.attr):
+            raise _Unknown(node.attr)
+        return getattr(owner, node.attr)
+    if (isinstance(node, ast.Call) and _name(node.func) == "getattr" and len(node.args) == 3
+            and not node.keywords and isinstance(node.args[1], ast.Constant)):
+        owner = _evaluate(node.args[0], env)
+        if not isinstance(owner, SimpleNamespace) or not isinstance(node.args[1].value, str):
+            raise _Unknown("getattr")
+        return getattr(owner, node.args[1].value, _evaluate(node.args[2], env))
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return [_evaluate(element, env) for element in node.elts]
+    if isinstance(node, ast.BoolOp):
+        values = [bool(_evaluate(value, env)) for value in node.values]
+        return all(values) if isinstance(node.op, ast.And) else any(values)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return not _evaluate(node.operand, env)
+    if isinstance(node, ast.Compare) and len(node.ops) == 1:
+        left, right = _evaluate(node.left, env), _evaluate(node.comparators[0], env)
+        compare = _COMPARISONS.get(type(node.ops[0]))
+        if compare is None:
+            raise _Unknown(type(node.ops[0]).__name__)
+        try:
+            return compare(left, right)
+        except TypeError as exc:
+            raise _Unknown(str(exc)) from exc
+    raise _Unknown(type(node).__name__)
+
+
+_COMPARISONS: dict[type[ast.cmpop], Callable[[Any, Any], bool]] = {
+    ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
+    ast.Eq: lambda a, b: bool(a == b), ast.NotEq: lambda a, b: bool(a != b),
+    ast.Is: lambda a, b: a is b, ast.IsNot: lambda a, b: a is not b,
+}
 
 
 def _overwrite_main_grad_values(source: str) -> list[ast.expr]:
