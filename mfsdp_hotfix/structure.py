@@ -56,13 +56,18 @@ def configured_pool_size(source: str) -> str | None:
     """The config attribute a drain shaped like NVIDIA PR #6316's takes its pool size N from
     (``self.buffer.ddp_config.fsdp_buffer_count``), else None.
 
-    The shape: ``keep_n = len(<...>.grad_reduce_queue)``; ``assert len(UNITS) <= N`` on the
-    incoming units; a loop over ``reversed(<...>.grad_reduce_queue)`` that adds each entry's unit
-    and does ``keep_n -= 1`` while ``len(UNITS) > N``; and, as its last statement, one
+    The shape: ``UNITS = set()`` filled (``UNITS.add(...)``) in a loop over the function's
+    first argument (the incoming buckets); ``assert len(UNITS) <= N``;
+    ``keep_n = len(<...>.grad_reduce_queue)``; a loop over ``reversed(<...>.grad_reduce_queue)``
+    whose body adds to the same UNITS (``UNITS.add(...)``) and then, in an ``if len(UNITS) > N``
+    of its own, does ``keep_n -= 1`` alone; and, as its last statement, one
     ``<...>.wait_for_previous_grad_reduce(keep_n)`` under ``torch.cuda.stream(<...>.rs_stream)``.
     N is an attribute path through a ``*config`` object, directly or through one local name
     assigned from it: the release drains' constant 2 made the configured pool size, whatever the
-    config option is called.
+    config option is called. Not checked: which unit each ``add`` adds (the release's
+    ``param_groups[bucket_id].fsdp_unit_id``) and the incoming loop's filter (units of
+    ``double_buf_units``); the N-slot rule also relies on the pool allocators, which are not
+    read here (docs/N_SLOT_POOLS.md).
     """
     function = _only_function(source)
     if function is None or not function.body:
@@ -70,16 +75,26 @@ def configured_pool_size(source: str) -> str | None:
     aliases = {target.id: statement.value for statement in function.body
                if isinstance(statement, ast.Assign) and len(statement.targets) == 1
                and isinstance(target := statement.targets[0], ast.Name)}
-    limit = _config_path(next((bound for node in ast.walk(function) if isinstance(node, ast.Assert)
-                               if (bound := _len_bound(node.test, ast.LtE)) is not None), None),
-                         aliases)
+    asserted = next((node.test for node in ast.walk(function) if isinstance(node, ast.Assert)
+                     and _len_bound(node.test, ast.LtE) is not None), None)
+    if asserted is None:
+        return None
+    units = _len_of(asserted)
+    limit = _config_path(_len_bound(asserted, ast.LtE), aliases)
     if limit is None or not _waits_last_under_rs_stream(function.body[-1], "keep_n"):
         return None
+    incoming = function.args.args[1].arg if len(function.args.args) > 1 else None
+    filled = any(isinstance(node, ast.For) and _name(node.iter) == incoming
+                 and any(_adds_to(inner, units) for inner in ast.walk(node))
+                 for node in function.body)
     counted = any(isinstance(node, ast.For) and _is_reversed_queue(node.iter)
-                  and any(isinstance(inner, ast.If)
+                  and any(isinstance(inner, ast.If) and _len_of(inner.test) == units
                           and _config_path(_len_bound(inner.test, ast.Gt), aliases) == limit
-                          and _decrements(inner.body, "keep_n") for inner in node.body)
+                          and _decrements(inner.body, "keep_n")
+                          and any(_adds_to(before, units) for before in node.body[:position])
+                          for position, inner in enumerate(node.body))
                   for node in ast.walk(function))
+    counted = counted and filled
     starts_full = any(isinstance(node, ast.Assign) and _names(node.targets) == ["keep_n"]
                       and isinstance(node.value, ast.Call) and _name(node.value.func) == "len"
                       and len(node.value.args) == 1
@@ -151,6 +166,21 @@ def _len_bound(test: ast.expr, operator: type[ast.cmpop]) -> ast.expr | None:
             and isinstance(test.left.args[0], ast.Name)):
         return test.comparators[0]
     return None
+
+
+def _len_of(test: ast.expr) -> str | None:
+    """NAME in ``len(NAME) <op> X``, else None."""
+    if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Call)
+            and _name(test.left.func) == "len" and len(test.left.args) == 1):
+        return _name(test.left.args[0])
+    return None
+
+
+def _adds_to(node: ast.AST, name: str | None) -> bool:
+    """``name.add(...)`` as a statement of its own."""
+    return (name is not None and isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "add"
+            and _name(node.value.func.value) == name)
 
 
 def _is_reversed_queue(node: ast.expr) -> bool:

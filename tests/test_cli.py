@@ -39,7 +39,8 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
     assert {k: v["state"] for k, v in copy["fixes"].items()} == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
-        "zero1-accumulate": "would apply"}
+        "zero1-accumulate": "would apply",
+        "reduce-once": "would apply"}
     assert [(x["fix"], x["covered"]) for x in copy["limits"]] == [
         ("getter-guard", True), ("ordered-drain", True)]
 
@@ -69,7 +70,8 @@ def test_switched_off_says_off_everywhere(fsdp_release) -> None:
     assert data["hotfix"] == "off"
     assert {k: fix["state"] for k, fix in data["copies"][0]["fixes"].items()} == {
         "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed",
-        "zero1-accumulate": "off"}
+        "zero1-accumulate": "off",
+        "reduce-once": "off"}
     proc = run_python("", fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"},
                       args=("-m", "mfsdp_hotfix", "status"))
     assert "hotfix: off" in proc.stdout and "would apply" not in proc.stdout
@@ -90,7 +92,7 @@ def test_switched_off_leaves_unfixed_only_what_the_copy_needs(fsdp_release, vers
     assert code == 1 and [x["fix"] for x in copy["limits"]] == needed
     # and the release defect of every copy from megatron-fsdp 0.2.0 on (it has no limit: see
     # docs/RELEASE_DEFECTS.md)
-    outside = ["zero1-accumulate"] if version != "0.1.0" else []
+    outside = (["zero1-accumulate"] if version != "0.1.0" else []) + ["reduce-once"]
     assert [line.rsplit(": ", 1)[1].split()[0] for line in data["unfixed"]] == needed + outside
     if version == "0.6.1":
         assert ">=" not in json.dumps(copy["limits"]), copy["limits"]

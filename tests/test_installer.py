@@ -52,7 +52,8 @@ def test_import_order(fsdp051: Path, order: str) -> None:
     assert data["drain"] == "ordered-drain" and data["init"] == "getter-guard"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
-                           "zero1-accumulate": "applied"}
+                           "zero1-accumulate": "applied",
+                           "reduce-once": "applied"}
     assert data["status"]["loaded_via"] == "import" and data["status"]["hotfix"] == "active"
 
 
@@ -74,11 +75,13 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
-        "zero1-accumulate": "would apply"}
+        "zero1-accumulate": "would apply",
+        "reduce-once": "would apply"}
     assert data["status"]["hotfix"] == "active"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
-                           "zero1-accumulate": "applied"}
+                           "zero1-accumulate": "applied",
+                           "reduce-once": "applied"}
 
 
 def test_misspelt_variable_warns_once_at_install(fsdp051: Path) -> None:
@@ -94,7 +97,8 @@ def test_era_c_keeps_its_own_getter(fsdp_release) -> None:
     assert data["drain"] == "ordered-drain" and data["init"] == "function"
     assert fixes(data) == {"getter-guard": "not needed", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
-                           "zero1-accumulate": "applied"}
+                           "zero1-accumulate": "applied",
+                           "reduce-once": "applied"}
 
 
 def test_both_copies_in_one_process(fsdp051: Path) -> None:
@@ -118,7 +122,8 @@ print("REPORT" + __import__("json").dumps({"status": mfsdp_hotfix.status(),
     assert fixes(data, registry_vendored()) == {"getter-guard": "applied",
                                                  "ordered-drain": "applied",
                                                  "missed-post-backward": "not needed",
-                                                 "zero1-accumulate": "applied"}
+                                                 "zero1-accumulate": "applied",
+                                                 "reduce-once": "applied"}
 
 
 def registry_vendored() -> str:
@@ -183,7 +188,8 @@ def test_disabled_fix_is_reported(fsdp051: Path) -> None:
     assert data["init"] == "function"
     assert fixes(data) == {"getter-guard": "disabled", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
-                           "zero1-accumulate": "applied"}
+                           "zero1-accumulate": "applied",
+                           "reduce-once": "applied"}
 
 
 @pytest.fixture

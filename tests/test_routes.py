@@ -178,7 +178,7 @@ def test_switched_off(installed: Installed) -> None:
     unfixed = check.stdout.split("\nLeft unfixed:\n", 1)[1].splitlines()
     assert [line.rsplit(": ", 1)[1] for line in unfixed] == [
         "getter-guard off (MFSDP_HOTFIX=0)", "ordered-drain off (MFSDP_HOTFIX=0)",
-        "zero1-accumulate off (MFSDP_HOTFIX=0)"], unfixed
+        "zero1-accumulate off (MFSDP_HOTFIX=0)", "reduce-once off (MFSDP_HOTFIX=0)"], unfixed
     proc = installed.sh("MFSDP_HOTFIX=0 python -c 'import megatron_fsdp, mfsdp_hotfix; "
                         "print(mfsdp_hotfix.summary()); "
                         "print(mfsdp_hotfix.status()[\"copies\"][0][\"imported\"])\n"
@@ -288,7 +288,7 @@ def test_the_example_job_through_the_audit(installed: Installed) -> None:
     assert re.search(r"^mfsdp_hotfix audit, 2 ranks: ordered: 0 unordered of [1-9]\d* "
                      r"gradient-slot reuses", proc.stderr, re.M), proc.stderr[-3000:]
     assert ("mfsdp_hotfix: megatron-fsdp 0.5.1 era B: getter-guard, ordered-drain, "
-            "zero1-accumulate") in proc.stdout
+            "zero1-accumulate, reduce-once") in proc.stdout
     assert proc.stdout.splitlines()[-1].startswith("audit: ordered: ")
     files = sorted((installed.work / "audit").iterdir())
     written = [f.read_bytes() for f in files]

@@ -133,7 +133,8 @@ def test_status_says_which_function_matched_which_shape_and_how(tmp_path: Path) 
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
         "getter-guard": "not needed", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
-        "zero1-accumulate": "would apply"}
+        "zero1-accumulate": "would apply",
+        "reduce-once": "would apply"}
     text = _status(root)
     assert ("main_grad_getter: drains before fetching, recognised by structure (guarded)"
             in text)
@@ -150,7 +151,8 @@ def test_status_of_a_git_snapshot_says_it_is_judged_by_its_code(tmp_path: Path) 
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
-        "zero1-accumulate": "would apply"}
+        "zero1-accumulate": "would apply",
+        "reduce-once": "would apply"}
 
 
 def test_pr6316_drain_is_recognised_by_its_structure_with_the_pool_size_from_the_config(
@@ -177,7 +179,8 @@ def test_status_of_pr6316_shows_the_pool_size_and_the_fix(tmp_path: Path) -> Non
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
         "getter-guard": "not needed", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
-        "zero1-accumulate": "would apply"}
+        "zero1-accumulate": "would apply",
+        "reduce-once": "would apply"}
     assert ("gradient pool slots (N): from the config (self.ddp_config.fsdp_buffer_count), "
             "read when the model is built") in _status(root)
 
@@ -221,8 +224,14 @@ def test_a_drain_sized_by_the_config_is_recognised_whatever_the_attribute_path(
     ("with torch.cuda.stream(self.rs_stream):\n            self.wait_for_previous_grad_reduce",
      "self.wait_for_previous_grad_reduce", 1),
     ("keep_n -= 1", "keep_n -= 2", 1),
+    ("            double_buf_units.add(fsdp_unit_id)\n            if len(double_buf_units)",
+     "            if len(double_buf_units)", 1),
+    ("            double_buf_units.add(fsdp_unit_id)\n            if len(double_buf_units)",
+     "            queued_units = {fsdp_unit_id}\n            if len(queued_units)", 1),
+    ("for bucket_id in add_buckets:", "for bucket_id in []:", 1),
 ], ids=["retires-one-more", "constant-assert", "not-from-a-config", "caller-stream",
-        "retires-two-at-once"])
+        "retires-two-at-once", "queued-units-not-counted", "counts-another-set",
+        "assert-not-on-the-incoming-units"])
 def test_another_drain_with_a_configured_pool_size_is_still_refused(
         tmp_path: Path, old: str, new: str, count: int) -> None:
     snapshot = snapshots.SNAPSHOTS["pr6316"]

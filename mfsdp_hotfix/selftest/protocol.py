@@ -88,9 +88,9 @@ def verify(model: Any, protocol: str) -> None:
 
 def reduces_once(protocol: str, strategy: str, outer: int = 1) -> bool:
     """Whether the release reduces a step's gradients over all ranks once, after the last
-    microbatch, rather than once per microbatch: under ``megatron-lm``, ZeRO-1 (unsharded
-    gradients, ``strategy="optim"``) without HSDP. The reference adds in that order."""
-    return check(protocol) == MEGATRON_LM and strategy == "optim" and outer == 1
+    microbatch, rather than once per microbatch: under ``megatron-lm``, unsharded gradients
+    (ZeRO-1 ``"optim"``, ``"no_shard"``) without HSDP. The reference adds in that order."""
+    return check(protocol) == MEGATRON_LM and strategy in ("optim", "no_shard") and outer == 1
 
 
 @contextmanager

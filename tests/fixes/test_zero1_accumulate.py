@@ -63,6 +63,36 @@ def test_undoes_the_attribute_only_where_gradients_are_not_sharded() -> None:
         assert param.overwrite_main_grad is True
 
 
+def test_a_failure_mid_run_stops_every_step_instead_of_switching_the_fix_off() -> None:
+    """Switched off, the release would overwrite ZeRO-1 gradients again, silently."""
+    from types import ModuleType
+
+    from mfsdp_hotfix import UnsupportedConfiguration
+
+    class MegatronFSDP:
+        data_parallel_sharding_strategy = "optim"
+
+        def all_gather_and_wait_parameters_ready(self, params: Any) -> str:
+            return "gathered"
+
+    module = ModuleType("fake_model_module")
+    module.MegatronFSDP = MegatronFSDP  # type: ignore[attr-defined]
+    undo = zero1_accumulate.apply(module)
+    try:
+        model = MegatronFSDP()
+        param = SimpleNamespace(overwrite_main_grad=True)
+        assert model.all_gather_and_wait_parameters_ready([param]) == "gathered"
+        assert param.overwrite_main_grad is False
+        for _ in range(2):  # not a single warning and then the shipped behaviour
+            with pytest.raises(UnsupportedConfiguration, match="zero1-accumulate failed"):
+                model.all_gather_and_wait_parameters_ready(params=object())
+        param.overwrite_main_grad = True
+        model.all_gather_and_wait_parameters_ready([param])
+        assert param.overwrite_main_grad is False
+    finally:
+        undo()
+
+
 ALWAYS = '''
 def all_gather_and_wait_parameters_ready(self, params):
     for param in params:
@@ -80,16 +110,34 @@ def all_gather_and_wait_parameters_ready(self, params):
 '''
 
 
+UPSTREAM = '''
+def all_gather_and_wait_parameters_ready(self, params):
+    for param in params:
+        param.overwrite_main_grad = self.data_parallel_sharding_strategy in [
+            "optim_grads",
+            "optim_grads_params",
+        ]
+'''
+NOT_NO_SHARD = DECIDES.replace('in ["optim_grads"]', '!= "no_shard"')
+NOT_UNSHARDED = DECIDES.replace('in ["optim_grads"]', 'not in ("optim", "no_shard")')
+PER_PARAMETER = DECIDES.replace('self.data_parallel_sharding_strategy in ["optim_grads"]',
+                                "param._grad_sharded")
+
+
 @pytest.mark.parametrize(("source", "always", "decides"), [
-    (ALWAYS, True, False), (DECIDES, False, True), (SILENT, False, False)],
-    ids=["always", "decides", "silent"])
+    (ALWAYS, True, False), (UPSTREAM, False, True), (NOT_UNSHARDED, False, True),
+    (DECIDES, False, False), (NOT_NO_SHARD, False, False), (PER_PARAMETER, False, False),
+    (SILENT, False, False)],
+    ids=["always", "upstream", "other-words", "zero3-left-out", "true-for-zero1",
+         "per-parameter", "silent"])
 def test_fork_shapes(source: str, always: bool, decides: bool) -> None:
     assert structure.always_overwrites_main_grad(source) is always
     assert structure.decides_overwrite_main_grad(source) is decides
 
 
 def test_the_defect_is_the_fixs() -> None:
-    (defect,) = registry.RELEASE_DEFECTS
+    defect = registry.ZERO1_FUSED_WGRAD_OVERWRITE
+    assert defect in registry.RELEASE_DEFECTS
     assert defect.name == "zero1-fused-wgrad-overwrite" and defect.fix in registry.FIX_IDS
     assert registry.defects_of({defect.fix: "off"}) == [defect]
     assert registry.defects_of({defect.fix: "not needed"}) == []

@@ -66,8 +66,9 @@ def test_the_model_must_be_built_for_the_protocol() -> None:
         protocol.accumulate(Recorder(), "megatron-lm", 0, lambda index: None)
 
 
-def test_only_megatron_lm_zero1_without_hsdp_reduces_once() -> None:
+def test_only_megatron_lm_unsharded_without_hsdp_reduces_once() -> None:
     assert protocol.reduces_once("megatron-lm", "optim")
+    assert protocol.reduces_once("megatron-lm", "no_shard")
     assert not protocol.reduces_once("megatron-lm", "optim", outer=2)
     assert not protocol.reduces_once("megatron-lm", "optim_grads_params")
     assert not protocol.reduces_once("auto-sync", "optim")
