@@ -49,7 +49,9 @@ _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains be
                                              "are sharded (NVIDIA/Megatron-LM#6357), or not at "
                                              "all",
                registry.REDUCE_ONCE.id: "its backward hooks reduce unsharded gradients only "
-                                        "with overlap_grad_reduce (NVIDIA/Megatron-LM#6357)"}
+                                        "with overlap_grad_reduce (NVIDIA/Megatron-LM#6357), "
+                                        "or its finish_grad_sync reduces none of them without "
+                                        "overlap (the hooks' reduction is their only one)"}
 REFUSED = "refused"
 
 
@@ -232,9 +234,11 @@ def _fix_state_if_on(fix: Fix, found: Detection, settings: settings_module.Setti
     if unknown:
         return REFUSED, (f"it rests on {', '.join(unknown)}, whose code shape this hotfix does "
                          "not know in this copy, so the fix is not applied")
-    if fix.gate is not None and found.shapes.get(fix.gate) is None:
-        return "unverified", (f"{registry.short_name(fix.gate)} has a code shape this hotfix "
-                              "does not know, so the fix is not applied")
+    strange = [name for name in ((fix.gate,) if fix.gate else ()) + fix.reductions
+               if found.shapes.get(name) is None]
+    if strange:
+        return "unverified", (f"{', '.join(map(registry.short_name, strange))} has a code shape "
+                              "this hotfix does not know, so the fix is not applied")
     if not found.needs(fix):
         return "not needed", _NOT_NEEDED[fix.id]
     if fix.id in settings.disabled_fixes:

@@ -61,6 +61,12 @@ HOOKS = "MegatronFSDP._register_fsdp_hooks"
 # overwrites or adds into ``main_grad``.
 OVERWRITE_SETTER = "MegatronFSDP.all_gather_and_wait_parameters_ready"
 GATES = (HOOKS, OVERWRITE_SETTER)
+# In the buffer module: the synchronous reductions ``finish_grad_sync`` runs without
+# ``overlap_grad_reduce``, per unsharded strategy. Read to decide reduce-once's need: where one
+# reduces nothing (its loop skips every buffer), the hooks' reduction is that strategy's only one.
+REDUCE_SCATTER = "ParamAndGradBuffer.reduce_scatter_gradients"
+ALL_REDUCE = "ParamAndGradBuffer.all_reduce_gradients"
+SYNCHRONOUS_REDUCTIONS = {"optim": REDUCE_SCATTER, "no_shard": ALL_REDUCE}
 # Builds the pools; read only to say how many slots the gradient pool has (status).
 POOL_BUILDER = "ParamAndGradBuffer._init_each_parameter_group_buffers"
 # Every release's pools have 2 slots (``UB_BUFFER_NUM = 2``); NVIDIA PR #6316 makes it the
@@ -91,6 +97,7 @@ class Shape:
     live_units: int | str | None = None  # drain: units left live, counting the incoming one
     #                                        (POOL_SIZE: the pool size N, from the config)
     needs: frozenset[str] = frozenset()  # gate: ids of the fixes this shape needs
+    reduces: bool | None = None  # synchronous reduction: reduces every gradient buffer
     note: str = "ordered-drain reuses it"  # what any other shape implies
 
     def implies(self) -> str:
@@ -103,6 +110,9 @@ class Shape:
                 return f"waits on {where}, keeps N units live, N the configured pool size"
             units = "unit" if self.live_units == 1 else "units"
             return f"waits on {where}, keeps {self.live_units} {units} live"
+        if self.reduces is not None:
+            return ("reduces every gradient buffer" if self.reduces else
+                    "skips every gradient buffer: reduces nothing")
         if self.needs:
             return "needs " + ", ".join(sorted(self.needs))
         return self.note
@@ -181,6 +191,11 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
               note="sets overwrite_main_grad from the parameter's strategy, not always True"),
     ),
 }
+
+SHAPES.update({qualname: (
+    Shape("reduces every buffer", structure="reduces_every_buffer", reduces=True),
+    Shape("skips every buffer", structure="skips_every_buffer", reduces=False))
+    for qualname in SYNCHRONOUS_REDUCTIONS.values()})
 
 # The shapes (getter, drain, wait) each verified release shipped, checked against every wheel by
 # tests/test_detection.py. Only these labels can make a copy a "verified release".
@@ -267,8 +282,10 @@ class Fix:
     ``depends_on``: functions that must have a known shape for the fix to be applied (or for
     its need to be decided); an unknown shape there refuses the whole copy.
     ``only_unguarded``: needed only where the getter's shape is unguarded.
-    ``gate``: a model-module function (:data:`GATES`) whose shape alone decides the need (its
+    ``gate``: a model-module function (:data:`GATES`) whose shape decides the need (its
     :attr:`Shape.needs`); an unknown shape there leaves the fix unverified, not the copy refused.
+    ``reductions``: buffer-module functions of which at least one must reduce
+    (:attr:`Shape.reduces`) for the fix to be needed; an unknown shape there: unverified.
     """
 
     id: str
@@ -277,6 +294,7 @@ class Fix:
     only_unguarded: bool
     upstream: str
     gate: str | None = None
+    reductions: tuple[str, ...] = ()
 
 
 GETTER_GUARD = Fix(
@@ -319,7 +337,7 @@ REDUCE_ONCE = Fix(
     (), False,
     "NVIDIA/Megatron-LM#6357 (on main; not in a release as of megatron-core 0.19.2 / "
     "megatron-fsdp 0.6.1)",
-    gate=HOOKS,
+    gate=HOOKS, reductions=(REDUCE_SCATTER, ALL_REDUCE),
 )
 # The double buffer's fixes (the eras); the others repair release defects outside it and rest on
 # none of the double buffer's functions, so they apply to a copy refused for those.
@@ -330,6 +348,9 @@ FIX_IDS = frozenset(fix.id for fix in FIXES)
 
 def needed(fix: Fix, shapes: Mapping[str, Shape]) -> bool:
     """Whether a copy with these (known) shapes needs ``fix`` (a gated fix: its gate's shape)."""
+    if fix.reductions and not any(name in shapes and shapes[name].reduces
+                                  for name in fix.reductions):
+        return False
     if fix.gate is not None:
         return fix.gate in shapes and fix.id in shapes[fix.gate].needs
     return not fix.only_unguarded or shapes[GETTER].guarded is False
@@ -412,14 +433,17 @@ ZERO1_FUSED_WGRAD_OVERWRITE = ReleaseDefect(
 UNSHARDED_GRADS_REDUCED_TWICE = ReleaseDefect(
     "unsharded-grads-reduced-twice",
     REDUCE_ONCE.id,
-    {"megatron-fsdp": "0.1.0-0.6.1", "megatron-core": "0.14.0-0.19.2"},
+    {"megatron-fsdp": "0.3.0-0.6.1", "megatron-core": "0.16.0-0.19.2"},
     "any copy whose MegatronFSDP._register_fsdp_hooks reduces unsharded gradients on "
-    "is_last_microbatch or model_auto_sync without asking overlap_grad_reduce (git installs of "
-    "NVIDIA main before NVIDIA/Megatron-LM#6357, forks based on those releases)",
-    "ZeRO-1 (data_parallel_sharding_strategy='optim') or no_shard with "
-    "overlap_grad_reduce=False, any number of microbatches, fused wgrad accumulation or not "
-    "(fully_shard users who turn overlap_grad_reduce off; Megatron-LM and Megatron-Bridge keep "
-    "it on wherever they accumulate)",
+    "is_last_microbatch or model_auto_sync without asking overlap_grad_reduce and whose "
+    "ParamAndGradBuffer.reduce_scatter_gradients or all_reduce_gradients reduces every buffer "
+    "(git installs of NVIDIA main before NVIDIA/Megatron-LM#6357, forks based on those "
+    "releases)",
+    "ZeRO-1 (data_parallel_sharding_strategy='optim'), and from megatron-fsdp 0.5.0 / "
+    "megatron-core 0.18.0 no_shard, with overlap_grad_reduce=False, any number of "
+    "microbatches, fused wgrad accumulation or not (fully_shard users who turn "
+    "overlap_grad_reduce off; Megatron-LM and Megatron-Bridge keep it on wherever they "
+    "accumulate)",
     "silently wrong gradients: the backward hooks reduce the unsharded buffer on the last "
     "microbatch and finish_grad_sync reduces it again (ZeRO-1: a second reduce-scatter of the "
     "already reduced buffer; no_shard: a second all-reduce, harmless with averaging but a factor "

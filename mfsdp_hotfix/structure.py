@@ -267,6 +267,48 @@ def lazy_and_reduces_unsharded_always(source: str) -> bool:
     return releases_stale_units_lazily(source) and hook_reduction(source) == REDUCES_ALWAYS
 
 
+def reduces_every_buffer(source: str) -> bool:
+    """Whether ``ParamAndGradBuffer.reduce_scatter_gradients`` / ``all_reduce_gradients`` loops
+    over ``<...>.parameter_groups``, takes ``gbuf = <group>.main_grad_buffer``, skips a group
+    only ``if gbuf is None``, and then calls ``<...>.reduce_scatter_tensor`` or
+    ``<...>.all_reduce``: the synchronous reduction ``finish_grad_sync`` runs without
+    ``overlap_grad_reduce`` reduces every gradient buffer (megatron-fsdp 0.5.0 / megatron-core
+    0.18.0 on; reduce-scatter from 0.3.0 / 0.16.0)."""
+    return _buffer_guard(source) == "is None"
+
+
+def skips_every_buffer(source: str) -> bool:
+    """As :func:`reduces_every_buffer`, but the loop skips ``if gbuf is not None``: every
+    gradient buffer, so the synchronous reduction reduces nothing (megatron-fsdp 0.1.0-0.2.3 /
+    megatron-core 0.14-0.15 both, 0.3.0-0.4.0 / 0.16-0.17 the all-reduce)."""
+    return _buffer_guard(source) == "is not None"
+
+
+def _buffer_guard(source: str) -> str | None:
+    function = _only_function(source)
+    if function is None:
+        return None
+    guards = set()
+    for loop in ast.walk(function):
+        if not (isinstance(loop, ast.For) and _attribute(loop.iter) == "parameter_groups"):
+            continue
+        taken = {_names(node.targets)[0] for node in loop.body if isinstance(node, ast.Assign)
+                 and len(node.targets) == 1 and _attribute(node.value) == "main_grad_buffer"}
+        reduces = _called_attributes(loop) & {"reduce_scatter_tensor", "all_reduce"}
+        for node in loop.body:
+            if (isinstance(node, ast.If) and len(node.body) == 1
+                    and isinstance(node.body[0], ast.Continue) and not node.orelse
+                    and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
+                    and _name(node.test.left) in taken and reduces
+                    and isinstance(node.test.comparators[0], ast.Constant)
+                    and node.test.comparators[0].value is None):
+                if isinstance(node.test.ops[0], ast.Is):
+                    guards.add("is None")
+                elif isinstance(node.test.ops[0], ast.IsNot):
+                    guards.add("is not None")
+    return guards.pop() if len(guards) == 1 else None
+
+
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
 REDUCES_ONCE, REDUCES_ALWAYS = "once", "always"

@@ -130,6 +130,14 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
     code, data = status(root)
     assert code == 1 and data["copies"][0]["refused"] is True
     assert "refused" in data["unfixed"][0]
+    # the fixes that rest on none of the refused code would still apply, and the copy's
+    # release defects are listed
+    fixes = {fix: state["state"] for fix, state in data["copies"][0]["fixes"].items()}
+    assert fixes == {"getter-guard": "refused", "ordered-drain": "refused",
+                     "missed-post-backward": "not needed", "zero1-accumulate": "would apply",
+                     "reduce-once": "would apply"}
+    assert [d["name"] for d in data["copies"][0]["release_defects"]] == [
+        "zero1-fused-wgrad-overwrite", "unsharded-grads-reduced-twice"]
     assert status(root, check=False)[0] == 0
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import releases
+import torch
 
 from mfsdp_hotfix import detection, fingerprints, registry, structure
 from mfsdp_hotfix.fixes import reduce_once
@@ -26,16 +27,40 @@ def pipeline(strategy: str, overlap: bool) -> Any:
     return SimpleNamespace(buffer=SimpleNamespace(ddp_config=config))
 
 
-@pytest.mark.parametrize(("strategy", "overlap", "skipped"), [
-    ("optim", False, True), ("no_shard", False, True), ("optim", True, False),
-    ("no_shard", True, False), ("optim_grads", True, False),
-    ("optim_grads_params", True, False), ("optim_grads", False, False)])
-def test_the_hooks_leave_the_pipeline_alone_only_without_overlap_for_unsharded_gradients(
-        strategy: str, overlap: bool, skipped: bool) -> None:
-    assert reduce_once.reduced_in_finish_grad_sync(pipeline(strategy, overlap)) is skipped
+BOTH = frozenset({"optim", "no_shard"})
 
 
-def test_apply_wraps_reduce_gradients_and_reset_and_undoes_both() -> None:
+@pytest.mark.parametrize(("strategy", "overlap", "strategies", "skipped"), [
+    ("optim", False, BOTH, True), ("no_shard", False, BOTH, True), ("optim", True, BOTH, False),
+    ("no_shard", True, BOTH, False), ("optim_grads", True, BOTH, False),
+    ("optim_grads_params", True, BOTH, False), ("optim_grads", False, BOTH, False),
+    ("no_shard", False, frozenset({"optim"}), False), ("optim", False, frozenset(), False)])
+def test_the_hooks_leave_the_pipeline_alone_only_where_finish_grad_sync_reduces(
+        strategy: str, overlap: bool, strategies: frozenset[str], skipped: bool) -> None:
+    assert reduce_once.reduced_in_finish_grad_sync(pipeline(strategy, overlap),
+                                                   strategies) is skipped
+
+
+class ParamAndGradBuffer:
+    """As megatron-fsdp 0.3.0-0.4.0: the reduce-scatter reduces, the all-reduce skips every
+    buffer (its inverted guard)."""
+
+    def reduce_scatter_gradients(self, async_op=True):  # type: ignore[no-untyped-def]
+        for g in self.parameter_groups:  # type: ignore[attr-defined]
+            gbuf = g.main_grad_buffer
+            if gbuf is None:
+                continue
+            torch.distributed.reduce_scatter_tensor(gbuf.get_shard_from_local_buffer(), gbuf.data)
+
+    def all_reduce_gradients(self, async_op=False):  # type: ignore[no-untyped-def]
+        for g in self.parameter_groups:  # type: ignore[attr-defined]
+            gbuf = g.main_grad_buffer
+            if gbuf is not None:
+                continue
+            torch.distributed.all_reduce(gbuf.data)
+
+
+def test_apply_defers_only_the_strategies_whose_synchronous_reduction_reduces() -> None:
     calls: list[str] = []
 
     class GradReducePipeline:
@@ -51,14 +76,18 @@ def test_apply_wraps_reduce_gradients_and_reset_and_undoes_both() -> None:
 
     module = ModuleType("fake_buffer_module")
     module.GradReducePipeline = GradReducePipeline  # type: ignore[attr-defined]
+    module.ParamAndGradBuffer = ParamAndGradBuffer  # type: ignore[attr-defined]
+    assert reduce_once.reducing_strategies(ParamAndGradBuffer) == {"optim"}
     originals = dict(GradReducePipeline.__dict__)
     undo = reduce_once.apply(module)
     zero1 = GradReducePipeline("optim", False)
     assert zero1.reduce_gradients([1]) is None and zero1.reset() is None and calls == []
+    no_shard = GradReducePipeline("no_shard", False)  # its all-reduce reduces nothing: kept
+    assert no_shard.reduce_gradients([1]) == "reduced"
     overlapped = GradReducePipeline("optim", True)
     assert overlapped.reduce_gradients([1]) == "reduced"
     overlapped.reset()
-    assert calls == ["reduce", "reset"]
+    assert calls == ["reduce", "reduce", "reset"]
     assert undo() is True
     assert all(GradReducePipeline.__dict__[name] is originals[name]
                for name in ("reduce_gradients", "reset"))
@@ -69,17 +98,23 @@ def hooks_source(release: Path) -> str:
     return fingerprints.parse_file(model).source(registry.HOOKS)
 
 
-@pytest.mark.parametrize(("dist", "version"), [
-    ("megatron-fsdp", "0.1.0"), ("megatron-fsdp", "0.3.1"), ("megatron-fsdp", "0.4.0"),
-    ("megatron-fsdp", "0.5.1"), ("megatron-fsdp", "0.6.1"), ("megatron-core", "0.14.0"),
-    ("megatron-core", "0.19.2")])
-def test_every_release_reduces_unsharded_gradients_in_the_hooks_whatever_the_overlap(
-        dist: str, version: str) -> None:
+@pytest.mark.parametrize(("dist", "version", "needed"), [
+    ("megatron-fsdp", "0.1.0", False), ("megatron-fsdp", "0.2.3", False),
+    ("megatron-fsdp", "0.3.1", True), ("megatron-fsdp", "0.4.0", True),
+    ("megatron-fsdp", "0.5.1", True), ("megatron-fsdp", "0.6.1", True),
+    ("megatron-core", "0.14.0", False), ("megatron-core", "0.17.1", True),
+    ("megatron-core", "0.19.2", True)])
+def test_every_release_reduces_in_the_hooks_whatever_the_overlap_and_again_where_it_can(
+        dist: str, version: str, needed: bool) -> None:
+    """The hooks' condition is the releases' everywhere; the fix is needed where the
+    synchronous reduction of finish_grad_sync reduces too (before megatron-fsdp 0.3.0 /
+    megatron-core 0.16 neither does, and the hooks' reduction is the only one)."""
     release = releases.unpacked(dist, version)
     assert structure.hook_reduction(hooks_source(release)) == structure.REDUCES_ALWAYS
     copy = registry.COPIES[0] if dist == "megatron-fsdp" else registry.COPIES[1]
     found = detection.find_installed(copy, [str(release)])
-    assert found is not None and detection.detect_file(copy, found).needs(registry.REDUCE_ONCE)
+    assert found is not None
+    assert detection.detect_file(copy, found).needs(registry.REDUCE_ONCE) is needed
 
 
 def test_nvidia_main_reduces_once() -> None:

@@ -43,6 +43,26 @@ def test_each_cause_is_confirmed_by_its_controls() -> None:
         twin = record[replace(case, protocol=MEGATRON_LM).id]
         assert acc.AUTO_SYNC_ACCUMULATION not in twin["cause"], case.id
         assert twin["grads_equal"] or twin["cause"] == [acc.ZERO1_OVERWRITE], case.id
+    twice = [by_id[i] for i, got in record.items() if acc.REDUCED_TWICE in got["cause"]]
+    assert twice
+    for case in twice:  # NVIDIA main (#6357) and the hotfix (reduce-once) reduce once
+        controls = [record[twin.id] for twin in (replace(case, release="git:main"),
+                                                 replace(case, hotfix="on"))
+                    if twin.id in record]
+        assert controls and all(got["grads_equal"] for got in controls), case.id
+
+
+def test_with_the_hotfix_unsharded_gradients_equal_the_reference() -> None:
+    """ZeRO-1 and no_shard (SUM), overlap_grad_reduce on and off, fused and plain: bit-identical
+    with the hotfix, but where the auto-sync protocol accumulates 2 microbatches (its own
+    cause)."""
+    record = acc.load_record()
+    fixed = [case for case in acc.CASES if case.hotfix == "on"]
+    assert {case.overlap_grad_reduce for case in fixed} == {True, False}
+    assert {case.layout for case in fixed} == {"zero1", "no_shard"}
+    for case in fixed:
+        got = record[case.id]
+        assert got["grads_equal"] or got["cause"] == [acc.AUTO_SYNC_ACCUMULATION], case.id
 
 
 @pytest.mark.slow
