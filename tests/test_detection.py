@@ -239,5 +239,7 @@ def test_a_fork_of_the_lazy_release_design_needs_no_missed_post_backward(tmp_pat
         "            _ = 'a fork'", 1))
     found = _detect(STANDALONE, root)
     shape = found.shapes[registry.HOOKS]
-    assert shape is not None and shape.name == "releases stale units lazily"
+    assert shape is not None and shape.name == ("releases stale units lazily, reduces unsharded "
+                                                "gradients in the hooks always")
     assert not found.needs(registry.MISSED_POST_BACKWARD)
+    assert found.needs(registry.REDUCE_ONCE)
