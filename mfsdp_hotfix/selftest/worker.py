@@ -318,7 +318,7 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
                            world).backward()
 
             accumulation.accumulate(fsdp, spec.protocol, spec.microbatches, microbatch)
-            fsdp.finish_grad_sync()
+            accumulation.finish(fsdp, spec.protocol)
             named = dict(fsdp.module.named_parameters())
             grads = _gather_full({n: p.grad for n, p in named.items()},
                                  {n: tuple(p.shape) for n, p in named.items()},

@@ -117,7 +117,7 @@ def _grid() -> tuple[Case, ...]:
         cases.append(Case(release, "zero1", MEGATRON_LM, "unfused"))
     # Unsharded gradients without overlap_grad_reduce, as shipped (NVIDIA main: the control;
     # no_shard with the SUM reduction of calculate_per_token_loss, "per-token", and averaging)
-    for release in ("0.4.0", "0.6.1", "git:main"):
+    for release in ("0.3.1", "0.4.0", "0.6.1", "git:main"):
         cases += [Case(release, "zero1", MEGATRON_LM, linear, microbatches=n,
                        overlap_grad_reduce=False)
                   for linear in ("emulated", "unfused") for n in (1, 2)
@@ -127,7 +127,8 @@ def _grid() -> tuple[Case, ...]:
                   for grad_reduce in ("per-token", "scale-then-sum")
                   if release == "0.6.1" or grad_reduce == "per-token"]
     # ... and with the hotfix: ZeRO-1 and no_shard (SUM), overlap on and off, 1 and 2
-    # microbatches, fused and plain, both protocols, on 0.6.1; overlap off on 0.4.0 and 0.5.1.
+    # microbatches, fused and plain, both protocols, on 0.6.1; overlap off on 0.3.1, 0.4.0 and
+    # 0.5.1 (megatron-core 0.16-0.18 ship the same files).
     for layout, grad_reduce in (("zero1", "scale-then-sum"), ("no_shard", "per-token")):
         for overlap in (True, False):
             cases += [Case("0.6.1", layout, protocol, linear, grad_reduce, n,
@@ -139,7 +140,7 @@ def _grid() -> tuple[Case, ...]:
                                                   (AUTO_SYNC, "unfused", 1))]
             cases += [Case(release, layout, MEGATRON_LM, "emulated", grad_reduce,
                            overlap_grad_reduce=False, hotfix="on")
-                      for release in ("0.4.0", "0.5.1") if not overlap]
+                      for release in ("0.3.1", "0.4.0", "0.5.1") if not overlap]
     return tuple(cases)
 
 
