@@ -340,16 +340,15 @@ def _refuse(found: Detection, fixes: dict[str, tuple[str, str]] | None = None) -
     left = [defect for defect in registry.defects_of(states) if states[defect.fix] != WOULD_APPLY]
     message = (f"mfsdp_hotfix: NOT patching {found.copy.label} "
                f"({found.copy.distribution} {found.version or 'version unknown'}) at "
-               f"{found.module_path} against the double-buffer bugs: {found.reason}. Until this "
-               "is resolved, run ZeRO-2/3 with fsdp_double_buffer=False to avoid them."
+               f"{found.module_path}: {found.reason}. Until this is resolved, run with "
+               "fsdp_double_buffer=False to avoid the double-buffer gradient bugs (ZeRO-2/3)."
                + "".join(f" {defect.name} ({defect.configuration}) is not repaired either: "
-                         f"{' or '.join(defect.workarounds)}." for defect in left)
-               + (f" Still applied: {', '.join(kept)} (they rest on none of that code)."
-                  if kept else ""))
+                         f"{' or '.join(defect.workarounds)}." for defect in left))
     assert _state.settings is not None
     if _state.settings.strict:
         raise HotfixRefused(message + " (MFSDP_HOTFIX=strict)")
-    log.warning(message)
+    log.warning(message + (f" Still applied: {', '.join(kept)} (they rest on none of that "
+                           "code)." if kept else ""))
 
 
 def summary() -> str:

@@ -220,7 +220,8 @@ def test_refused_copy_warns_once_and_keeps_only_the_fixes_that_rest_on_none_of_i
     assert [(d["name"], d["repaired"]) for d in copy["release_defects"]] == [
         ("zero1-fused-wgrad-overwrite", True), ("unsharded-grads-reduced-twice", True)]
     assert proc.stderr.count("NOT patching megatron-fsdp") == 1
-    assert "run ZeRO-2/3 with fsdp_double_buffer=False" in proc.stderr
+    assert "run with fsdp_double_buffer=False to avoid the double-buffer gradient bugs (ZeRO-2/3)" \
+        in proc.stderr
     assert "Still applied: zero1-accumulate, reduce-once" in proc.stderr
 
 

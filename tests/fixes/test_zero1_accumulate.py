@@ -188,3 +188,29 @@ def test_nvidia_main_is_not_patched_and_exact() -> None:
     report = run_job(tree, True, strategy="optim", microbatches=2)
     assert fix_state(report) == "not needed"
     assert fields(report) == ("exact", {False}), report["comparison"]
+
+
+@pytest.mark.slow
+def test_an_unverified_fix_refuses_to_build_a_zero1_model(tmp_path: Path) -> None:
+    """A copy whose overwrite_main_grad setter is a shape the hotfix does not know: the fix is
+    unverified, and building a ZeRO-1 model raises instead of training with the defect."""
+    import shutil
+
+    from mfsdp_hotfix.selftest.runner import run_case
+    from mfsdp_hotfix.selftest.spec import CaseSpec
+
+    root = tmp_path / "site"
+    shutil.copytree(releases.unpacked("megatron-fsdp", "0.6.1"), root)
+    model = root / "megatron_fsdp" / "megatron_fsdp.py"
+    text = model.read_text()
+    assert text.count("param.overwrite_main_grad = True") == 1
+    model.write_text(text.replace("param.overwrite_main_grad = True",
+                                  "param.overwrite_main_grad = bool(param.requires_grad)"))
+    spec = CaseSpec(flavour="standalone", path=str(root), double_buffer=False, units=3,
+                    strategy="optim")
+    result = run_case(spec)
+    assert result.crashed and "UnsupportedConfiguration" in (result.exception or ""), (
+        result.exception)
+    assert "zero1-accumulate is unverified" in (result.exception or "")
+    sharded = run_case(CaseSpec(**{**spec.__dict__, "strategy": "optim_grads"}))
+    assert not sharded.crashed and sharded.max_abs_grad_error == 0.0, sharded.exception
