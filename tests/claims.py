@@ -1006,6 +1006,11 @@ claim(ACC_DOC, "(max abs error {} on 0.6.1, fused or not)", ACC, lambda rec: (ac
     for red in ("scale-then-sum", "premul-sum")]),))
 claim(ACC_DOC, "wrong under auto-sync ({}) and", ACC,
       lambda rec: (acc_error(rec, "0.6.1/zero1/auto-sync/unfused/scale-then-sum/2mb"),))
+claim(ACC_DOC, "(max abs error {} with one microbatch and {} with two on 0.6.1, weights unfused)",
+      ACC, lambda rec: tuple(acc_error(
+          rec, f"0.6.1/zero1/megatron-lm/unfused/scale-then-sum/{n}mb/no-overlap") for n in (1, 2)))
+claim(ACC_DOC, "is wrong on 0.6.1 (max abs error {}: the gradients are multiplied", ACC,
+      lambda rec: (acc_error(rec, "0.6.1/no_shard/megatron-lm/emulated/per-token/2mb/no-overlap"),))
 
 FUZZ = "fuzz-summary.json"
 claim(VAL, "the TE matrix is {} configurations × shipped/hotfix × {}/{} ms", TE,

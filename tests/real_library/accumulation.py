@@ -135,6 +135,7 @@ def _grid() -> tuple[Case, ...]:
                            overlap_grad_reduce=overlap, hotfix="on")
                       for protocol, linear, n in ((MEGATRON_LM, "emulated", 1),
                                                   (MEGATRON_LM, "emulated", 2),
+                                                  (MEGATRON_LM, "unfused", 1),
                                                   (MEGATRON_LM, "unfused", 2),
                                                   (AUTO_SYNC, "emulated", 1),
                                                   (AUTO_SYNC, "unfused", 1))]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
+from typing import Any
 
 import accumulation as acc
 import pytest
@@ -32,13 +33,18 @@ def test_each_cause_is_confirmed_by_its_controls() -> None:
     overwrite = [by_id[i] for i, got in record.items() if acc.ZERO1_OVERWRITE in got["cause"]]
     auto = [by_id[i] for i, got in record.items() if acc.AUTO_SYNC_ACCUMULATION in got["cause"]]
     assert overwrite and auto
-    for case in overwrite:  # the same run without fused wgrad, or on NVIDIA main, is right
+    # the same run without fused wgrad, with one microbatch, or on NVIDIA main, is right (or
+    # wrong only by the other release defect, of overlap_grad_reduce=False)
+    def right_but_for_overlap(got: dict[str, Any]) -> bool:
+        return bool(got["grads_equal"] or got["cause"] == [acc.REDUCED_TWICE])
+
+    for case in overwrite:
+        twins = [replace(case, microbatches=1)]
         if case.protocol == MEGATRON_LM:
-            for twin in (replace(case, linear="unfused"), replace(case, release="git:main")):
-                if twin.id in record:
-                    assert record[twin.id]["grads_equal"], twin.id
-        assert record[replace(case, microbatches=1).id]["grads_equal"] if replace(
-            case, microbatches=1).id in record else True
+            twins += [replace(case, linear="unfused"), replace(case, release="git:main")]
+        for twin in twins:
+            if twin.id in record:
+                assert right_but_for_overlap(record[twin.id]), twin.id
     for case in auto:  # Megatron-LM's protocol on the same configuration is not this cause
         twin = record[replace(case, protocol=MEGATRON_LM).id]
         assert acc.AUTO_SYNC_ACCUMULATION not in twin["cause"], case.id
