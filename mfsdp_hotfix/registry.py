@@ -280,7 +280,8 @@ class Fix:
     """One repair, what it replaces or relies on, and where it stands upstream.
 
     ``depends_on``: functions that must have a known shape for the fix to be applied (or for
-    its need to be decided); an unknown shape there refuses the whole copy.
+    its need to be decided); an unknown shape there refuses the copy, and this fix with it
+    (``refused``), while a fix that depends on none of them still applies.
     ``only_unguarded``: needed only where the getter's shape is unguarded.
     ``gate``: a model-module function (:data:`GATES`) whose shape decides the need (its
     :attr:`Shape.needs`); an unknown shape there leaves the fix unverified, not the copy refused.
