@@ -170,9 +170,9 @@ def _classify(copy: Copy, path: str, sources: dict[str, str | None], problems: l
         what = "; ".join(f"{registry.short_name(name)} (" + _fingerprint_or_missing(prints[name])
                          + ")" for name in unknown)
         return verdict(None, f"unrecognised code shape in {what}, which the fixes replace or "
-                       "rely on: a fork, a backport or a newer release. Nothing was patched; "
-                       "report the fingerprints from `mfsdp-hotfix status --json` to the "
-                       "mfsdp-hotfix maintainers, or upgrade mfsdp-hotfix")
+                       "rely on: a fork, a backport or a newer release. The double-buffer "
+                       "fixes are not applied; report the fingerprints from `mfsdp-hotfix "
+                       "status --json` to the mfsdp-hotfix maintainers, or upgrade mfsdp-hotfix")
     known = {name: shape for name, shape in shapes.items()
              if shape is not None and name in registry.FUNCTIONS}
     era = registry.era_of(known[registry.GETTER], known[registry.DRAIN])
