@@ -2,10 +2,9 @@
 
 Importing this package arms the fix (unless ``MFSDP_HOTFIX=0``): as soon as Megatron is imported,
 post-import hooks patch every copy of Megatron-FSDP, the standalone ``megatron_fsdp`` and the one
-vendored in megatron-core. The import itself is cheap and imports neither torch nor megatron.
+vendored in megatron-core. The import itself is cheap: it imports neither torch nor megatron,
+nor any module the interpreter has not loaded at start (``bootstrap`` runs it in every process).
 """
-
-from __future__ import annotations
 
 from . import trigger
 from .__about__ import __version__
@@ -35,7 +34,7 @@ def uninstall() -> bool:
     return installer.uninstall()
 
 
-def status() -> dict[str, Any]:
+def status() -> "dict[str, Any]":
     """What is armed, applied and would apply, and why, as plain data (see ``reporting``)."""
     from . import reporting
 
@@ -49,7 +48,7 @@ def summary() -> str:
     return installer.summary()
 
 
-def apply_to(model: Any) -> int:
+def apply_to(model: "Any") -> int:
     """Guard the getters of a model built before the hotfix was installed."""
     from . import installer
 

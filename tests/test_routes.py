@@ -244,7 +244,7 @@ def test_selftest_gpu_without_a_gpu(installed: Installed) -> None:
     proc = installed.sh(readme("mfsdp-hotfix selftest --gpu"), env={"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1].startswith(
-        "selftest: FAIL: cannot run the GPU selftest here: "), proc.stdout
+        "selftest: CANNOT RUN: the GPU selftest cannot run here: "), proc.stdout
     assert "Traceback" not in proc.stderr
 
 
