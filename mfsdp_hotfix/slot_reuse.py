@@ -173,8 +173,13 @@ def _observed(exc: BaseException, where: str, marker: str) -> None:
     exc.__notes__ = [*getattr(exc, "__notes__", ()), (
         f"mfsdp_hotfix: this error was raised by Megatron-FSDP's own {where} (the release's "
         "code). The frames of mfsdp_hotfix/patching.py and mfsdp_hotfix/slot_reuse.py above are "
-        f"mfsdp_hotfix's observer of the gradient pool ({marker}: the on-the-job audit or the "
-        "selftest's check), which calls that code unchanged and passes its errors on.")]
+        f"{_OBSERVERS.get(marker, marker)}, which watches the gradient pool, calls that code "
+        "unchanged and passes its errors on.")]
+
+
+# Who observes the pool, by the marker its wrappers carry, in the note above.
+_OBSERVERS = {"audit": "the on-the-job audit (MFSDP_HOTFIX_AUDIT)",
+              "selftest-ordering": "the selftest's ordering check"}
 
 
 def is_grad_pool(pool: Any) -> bool:

@@ -41,7 +41,7 @@ def test_an_allocation_crash_is_recorded_and_re_raised_unchanged() -> None:
     assert note.startswith("mfsdp_hotfix: this error was raised by Megatron-FSDP's own "
                            "FixedPoolAllocator.allocate (the release's code). The frames of "
                            "mfsdp_hotfix/patching.py and mfsdp_hotfix/slot_reuse.py above are "
-                           "mfsdp_hotfix's observer of the gradient pool (test-rule"), note
+                           "test-rule, which watches the gradient pool"), note
 
 
 def test_a_bookkeeping_error_is_reported_and_the_original_still_runs() -> None:
