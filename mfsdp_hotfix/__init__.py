@@ -7,15 +7,30 @@ nor any module the interpreter has not loaded at start (``bootstrap`` runs it in
 """
 
 from . import trigger
-from .__about__ import __version__
-from .errors import HotfixRefused, UnsupportedConfiguration
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs more to import than this whole package
     from typing import Any
 
+    from .__about__ import __version__
+    from .errors import HotfixRefused, UnsupportedConfiguration
+
 __all__ = ["HotfixRefused", "UnsupportedConfiguration", "__version__", "apply_to", "install",
            "status", "summary", "uninstall"]
+
+
+def __getattr__(name: str) -> "Any":
+    """``__version__`` and the errors, loaded when first asked for: the ``.pth`` imports this
+    package in every process, and each module file costs that process's start-up time."""
+    if name == "__version__":
+        from .__about__ import __version__
+
+        return __version__
+    if name in ("HotfixRefused", "UnsupportedConfiguration"):
+        from . import errors
+
+        return getattr(errors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def install(strict: bool | None = None) -> bool:

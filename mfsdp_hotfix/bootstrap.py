@@ -25,5 +25,5 @@ def start(source: str) -> None:
 
         sys.stderr.write(f"mfsdp_hotfix: {variables.BOOTSTRAP}={raw!r} is not understood "
                          "(accepted: 1/on or 0/off); the bootstrap stays on\n")
+    trigger.arm(source)  # first: a check of names must never cost a process its fixes
     variables.tell_once(variables.misspelt(os.environ))
-    trigger.arm(source)

@@ -75,10 +75,11 @@ def _main(argv: list[str] | None) -> int:
                         help="print the version and exit")
     commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     show = commands.add_parser(
-        "status", help="what is installed, detected and (would be) fixed",
-        description="For a new Python process of this environment: whether the hotfix is "
-                    "loaded and how, every Megatron-FSDP copy found, which fixes would apply "
-                    "and why. Needs no torch.")
+        "status", help="affected? protected? then each copy found and its fixes",
+        description="For a new Python process of this environment: first one line, whether a "
+                    "Megatron-FSDP copy is affected and whether it is protected (or what to "
+                    "use instead), then one line per copy found and how the hotfix is loaded. "
+                    "Warnings go to stderr. Needs no torch.")
     show.add_argument("--json", action="store_true", help="one JSON object on stdout")
     show.add_argument("--verbose", action="store_true",
                       help="also each copy's code shapes, fix reasons and release defects")
@@ -94,7 +95,8 @@ def _main(argv: list[str] | None) -> int:
         description="Train a small model with this environment's torch and Megatron-FSDP on CPU "
                     "(2 gloo ranks, fused wgrad, fsdp_double_buffer=True), once with "
                     "MFSDP_HOTFIX=0 and once with the hotfix; installs nothing. The last line "
-                    "is 'selftest: PASS: ...' (exit 0) or 'selftest: FAIL: ...' (exit 1).")
+                    "is 'selftest: PASS: ...' (exit 0), 'selftest: FAIL: ...' (exit 1: a fix "
+                    "failed) or 'selftest: CANNOT RUN: ...' (exit 2: no torch or numpy here).")
     test.add_argument("--path", help="folder put first on sys.path of the test processes, "
                                      "e.g. an unpacked release (default: as installed)")
     test.add_argument("--flavour", choices=["auto", "standalone", "core"], default="auto",
@@ -103,7 +105,7 @@ def _main(argv: list[str] | None) -> int:
                            "core's when importable, else megatron_fsdp; default)")
     test.add_argument("--json", action="store_true",
                       help="print the results as one JSON object on stdout (progress, table "
-                           "and the PASS/FAIL line go to stderr)")
+                           "and the verdict line go to stderr)")
     test.add_argument("--protocol", choices=list(PROTOCOLS), default=DEFAULT_PROTOCOL,
                       help="how the 2 microbatches of each step are driven: 'megatron-lm' "
                            "(no_sync() around every microbatch but the last, as Megatron-LM and "
@@ -152,11 +154,12 @@ def _main(argv: list[str] | None) -> int:
         description="Run COMMAND (e.g. torchrun ... train.py) like 'mfsdp-hotfix run', with "
                     "MFSDP_HOTFIX_AUDIT=PATH: every rank writes PATH.rank<N>.json. Then print a "
                     "summary of them; the last line is 'audit: <VERDICT>: ...' (UNORDERED, "
-                    "CRASH, UNWATCHED, INCOMPLETE, NOT CHECKED, ordered or NO DATA). Exit "
-                    "status: the command's when it failed; else 0 only for ordered, 3 for "
-                    "UNORDERED or CRASH, 4 when nothing or not everything was checked; 2 when "
-                    "nothing was run (bad --out, or rank files of an earlier run there without "
-                    "--overwrite).")
+                    "CRASH, UNWATCHED, INCOMPLETE, NOT CHECKED, ordered, UNWRITABLE or NO "
+                    "DATA). Exit status: 3 for a finding (UNORDERED, CRASH) whatever the "
+                    "command's status; else the command's when it failed; else 0 only for "
+                    "ordered, 4 when nothing or not everything was checked; 2 when nothing was "
+                    "run (an --out where no file can be created, or rank files of an earlier "
+                    "run there without --overwrite).")
     audit.add_argument("--out", required=True, metavar="PATH",
                        help="path prefix of the rank files (PATH.rank<N>.json); a missing "
                             "folder is created (and said so)")
