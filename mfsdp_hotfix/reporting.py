@@ -181,8 +181,9 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None) -> tuple[str,
     remedies: list[str] = []
     for copy in copies:
         defects = {d["fix"]: d for d in copy.get("release_defects", [])}
+        named = f"{_name(copy)}: " if len(copies) > 1 else ""
         if copy["refused"]:
-            reasons.append(f"{_name(copy)} is left as shipped ({copy['reason']})")
+            reasons.append(f"{named}left as shipped ({copy['reason']})")
             remedies.append(f"use {DOUBLE_BUFFER_OFF}")
         gaps = {fix: state["state"] for fix, state in copy["fixes"].items()
                 if state["state"] != "not needed"
@@ -193,7 +194,7 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None) -> tuple[str,
             remedies.append(f"for {defects[fix]['name']} use {defects[fix]['workarounds'][0]}"
                             if fix in defects else f"use {DOUBLE_BUFFER_OFF}")
         if by_state and hotfix not in UNPROTECTING:
-            reasons.append((f"{_name(copy)}: " if len(copies) > 1 else "") + "; ".join(
+            reasons.append(named + "; ".join(
                 f"{', '.join(fixes)} {state}" for state, fixes in by_state.items()))
     if hotfix in UNPROTECTING and any(remedies):
         reasons.insert(0, UNPROTECTING[hotfix])

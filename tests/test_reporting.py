@@ -58,9 +58,12 @@ def test_a_refused_copy_is_not_protected_and_another_copy_keeps_its_name() -> No
     line = _line("armed", _copy({}, refused="unknown getter"),
                  _copy({"new-fix": "disabled"}, version="1.0.0"))
     assert line == ("affected: megatron-fsdp 9.9.0 (not recognised), megatron-fsdp 1.0.0 (era Z)"
-                    " — NOT protected: megatron-fsdp 9.9.0 (not recognised) is left as shipped "
+                    " — NOT protected: megatron-fsdp 9.9.0 (not recognised): left as shipped "
                     "(unknown getter); megatron-fsdp 1.0.0 (era Z): new-fix disabled; use "
                     "fsdp_double_buffer=False")
+    assert _line("armed", _copy({}, refused="unknown getter")) == (
+        "affected: megatron-fsdp 9.9.0 (not recognised) — NOT protected: left as shipped "
+        "(unknown getter); use fsdp_double_buffer=False")
 
 
 def test_not_affected() -> None:
