@@ -73,7 +73,7 @@ def status() -> dict[str, Any]:
         if copy.package not in seen:
             copies.extend(_not_imported(copy, settings))
     state = _hotfix_state(settings, installed, records)
-    return {
+    data = {
         "mfsdp_hotfix": __version__,
         "hotfix": state,
         "hotfix_meaning": HOTFIX_STATES[state],
@@ -85,6 +85,8 @@ def status() -> dict[str, Any]:
         "v2_copies": v2.present(),
         "failures": incidents.failures(),
     }
+    data["verdict"] = verdict(data, state)
+    return data
 
 
 def _hotfix_state(settings: settings_module.Settings, installed: bool,

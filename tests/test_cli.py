@@ -144,6 +144,17 @@ def test_the_verdict_of_a_switched_off_install(fsdp_release) -> None:
                 "(optim_grads, optim_grads_params)"}
 
 
+def test_the_api_answers_for_this_process(fsdp_release) -> None:
+    """``mfsdp_hotfix.status()["verdict"]``: the same line, for the process that asks."""
+    proc = run_python("import json, megatron_fsdp.megatron_fsdp, mfsdp_hotfix\n"
+                      "print(json.dumps(mfsdp_hotfix.status()['verdict']))", fsdp_release("0.6.1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {
+        "affected": True, "protected": True,
+        "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active and "
+                "applies ordered-drain, zero1-accumulate"}
+
+
 def test_disabled_fix_fails_the_check(fsdp_release) -> None:
     code, data = status(fsdp_release("0.4.0"),
                         env={"MFSDP_HOTFIX_DISABLED_FIXES": "getter-guard"})
