@@ -177,12 +177,12 @@ def _name(copy: dict[str, Any]) -> str:
 
 def _unprotected(copies: list[dict[str, Any]], hotfix: str | None) -> tuple[str, list[str]]:
     """Why the affected ``copies`` are not protected ('' when they are), and what to use
-    instead: fsdp_double_buffer=False for a refused copy or a double-buffer fix, each release
-    defect's first workaround for its fix."""
+    instead: fsdp_double_buffer=False for a refused copy or a double-buffer fix that does not
+    protect, and the first workaround of each release defect left unrepaired."""
     reasons: list[str] = []
     remedies: list[str] = []
     for copy in copies:
-        defects = {d["fix"]: d for d in copy.get("release_defects", [])}
+        defects = copy.get("release_defects", [])
         named = f"{_name(copy)}: " if len(copies) > 1 else ""
         if copy["refused"]:
             reasons.append(f"{named}left as shipped ({copy['reason']})")
@@ -193,8 +193,10 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None) -> tuple[str,
         by_state: dict[str, list[str]] = {}
         for fix, state in gaps.items():
             by_state.setdefault(state, []).append(fix)
-            remedies.append(f"for {defects[fix]['name']} use {defects[fix]['workarounds'][0]}"
-                            if fix in defects else f"use {DOUBLE_BUFFER_OFF}")
+            if fix not in {defect["fix"] for defect in defects}:
+                remedies.append(f"use {DOUBLE_BUFFER_OFF}")
+        remedies += [f"for {defect['name']} use {defect['workarounds'][0]}" for defect in defects
+                     if defect["fix"] in gaps or not defect["repaired"]]
         if by_state and hotfix not in UNPROTECTING:
             reasons.append(named + "; ".join(
                 f"{', '.join(fixes)} {state}" for state, fixes in by_state.items()))

@@ -16,7 +16,8 @@ def _copy(fixes: dict[str, str], defects: dict[str, str] | None = None, refused:
             "refused": bool(refused), "reason": refused,
             "fixes": {fix: {"state": state, "reason": "why"} for fix, state in fixes.items()},
             "release_defects": [{"name": name, "fix": fix, "workarounds": [f"avoid {name}",
-                                                                           "other"]}
+                                                                           "other"],
+                                 "repaired": fixes.get(fix) in ("applied", "would apply")}
                                 for name, fix in (defects or {}).items()]}
 
 
@@ -64,6 +65,13 @@ def test_a_refused_copy_is_not_protected_and_another_copy_keeps_its_name() -> No
     assert _line("armed", _copy({}, refused="unknown getter")) == (
         "affected: megatron-fsdp 9.9.0 (not recognised) — NOT protected: left as shipped "
         "(unknown getter); use fsdp_double_buffer=False")
+
+
+def test_a_refused_copys_release_defects_are_told_what_to_use() -> None:
+    """A refused copy has no fix state, but the defects its code has still need a workaround."""
+    assert _line("armed", _copy({}, {"new-defect": "defect-fix"}, refused="unknown getter")) == (
+        "affected: megatron-fsdp 9.9.0 (not recognised) — NOT protected: left as shipped "
+        "(unknown getter); use fsdp_double_buffer=False; for new-defect use avoid new-defect")
 
 
 def test_not_affected() -> None:
