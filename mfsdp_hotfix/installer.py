@@ -42,6 +42,11 @@ _FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
 _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains before it "
                                          "allocates, as NVIDIA/Megatron-LM#5222 and "
                                          "ROCm/Megatron-LM#146 do",
+               registry.ORDERED_DRAIN.id: "its getter drains before it allocates and its "
+                                          "drain waits on the caller's stream (the one that "
+                                          "writes the recycled slot), keeping at most "
+                                          "pool-size units live: "
+                                          + registry.ORDERED_DRAIN_UPSTREAM,
                registry.MISSED_POST_BACKWARD.id: "its post-forward releases the parameters of a "
                                                  "unit whose post-backward hook did not run",
                registry.ZERO1_ACCUMULATE.id: "it sets overwrite_main_grad only where gradients "

@@ -131,6 +131,12 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
         # size N read from the config (fsdp_buffer_count) instead of the constant 2.
         Shape("pool size from the config", structure="drains_to_configured_pool_size",
               drain_stream="rs_stream", live_units=POOL_SIZE),
+        # The change proposed upstream (ORDERED_DRAIN_UPSTREAM) on PR #6316: the same drain,
+        # waiting on the caller's stream. On main the change gives 0.14's drain text again
+        # (comments aside), which "0.14" above recognises.
+        Shape("pool size from the config, on the caller's stream",
+              structure="drains_to_configured_pool_size_on_callers_stream",
+              drain_stream="caller", live_units=POOL_SIZE),
     ),
     WAIT: (
         Shape("0.14", "18a7000ad753206566df235d409814de9319429954a1f2761717b20d53920b2e"),
@@ -225,6 +231,13 @@ class Era:
     without_hotfix: str
 
 
+# The change this project proposes upstream (upstream/PR.md): the drain waits on the caller's
+# stream again, as it did before megatron-core 0.18 (NVIDIA/Megatron-LM#4054 moved it to
+# rs_stream). A copy whose getter drains and whose drain already does this is era "none".
+ORDERED_DRAIN_UPSTREAM = (
+    "the upstream change 'Megatron-FSDP: wait on the writer's stream when recycling a "
+    "double-buffer gradient slot' (mfsdp-hotfix upstream/main.patch, upstream/pr6316.patch)")
+
 _ONLY_NO_DOUBLE_BUFFER = (
     "only fsdp_double_buffer=False; turning fused wgrad accumulation off does NOT protect "
     "(gradients measured wrong with real TransformerEngine, docs/VALIDATION.md)")
@@ -239,7 +252,9 @@ ERAS = (
     Era("C", "race when a reduce-scatter is slower than one unit's backward (the drain orders "
              "only rs_stream)", True, "rs_stream", 2, _ONLY_NO_DOUBLE_BUFFER),
     Era("none", "no known defect: the getter drains before it allocates and the drain orders "
-                "the caller's stream", True, "caller", 2, "nothing is needed"),
+                "the caller's stream", True, "caller", 2,
+        "nothing is needed: the copy's own code orders the writer of a recycled slot after the "
+        "reduce-scatter that last read it, as " + ORDERED_DRAIN_UPSTREAM + " does"),
 )
 
 
@@ -259,6 +274,8 @@ class Fix:
     ``depends_on``: functions that must have a known shape for the fix to be applied (or for
     its need to be decided); an unknown shape there refuses the whole copy.
     ``only_unguarded``: needed only where the getter's shape is unguarded.
+    ``only_unordered``: not needed where the getter drains and the drain orders the caller's
+    stream with at most pool-size units live (era "none": the change proposed upstream).
     ``gate``: a model-module function (:data:`GATES`) whose shape alone decides the need (its
     :attr:`Shape.needs`); an unknown shape there leaves the fix unverified, not the copy refused.
     """
@@ -269,6 +286,7 @@ class Fix:
     only_unguarded: bool
     upstream: str
     gate: str | None = None
+    only_unordered: bool = False  # not needed where the getter and drain form era "none"
 
 
 GETTER_GUARD = Fix(
@@ -282,7 +300,9 @@ ORDERED_DRAIN = Fix(
     "at most pool-size units live, counting the incoming one; the stream that writes into a "
     "recycled slot waits on the reduce-scatter that last read it",
     (DRAIN, WAIT), False,
-    "not fixed upstream as of megatron-core 0.19.2 / megatron-fsdp 0.6.1",
+    "not fixed upstream as of megatron-core 0.19.2 / megatron-fsdp 0.6.1; proposed as "
+    + ORDERED_DRAIN_UPSTREAM,
+    only_unordered=True,
 )
 MISSED_POST_BACKWARD = Fix(
     "missed-post-backward",
@@ -314,6 +334,8 @@ def needed(fix: Fix, shapes: Mapping[str, Shape]) -> bool:
     """Whether a copy with these (known) shapes needs ``fix`` (a gated fix: its gate's shape)."""
     if fix.gate is not None:
         return fix.gate in shapes and fix.id in shapes[fix.gate].needs
+    if fix.only_unordered and era_of(shapes[GETTER], shapes[DRAIN]).name == "none":
+        return False
     return not fix.only_unguarded or shapes[GETTER].guarded is False
 
 

@@ -49,17 +49,18 @@ def releases_stale_units_lazily(source: str) -> bool:
                for node in ast.walk(tree))
 
 
-def configured_pool_size(source: str) -> str | None:
+def configured_pool_size(source: str, on_rs_stream: bool = True) -> str | None:
     """The config attribute a drain shaped like NVIDIA PR #6316's takes its pool size N from
     (``self.buffer.ddp_config.fsdp_buffer_count``), else None.
 
     The shape: ``keep_n = len(<...>.grad_reduce_queue)``; ``assert len(UNITS) <= N`` on the
     incoming units; a loop over ``reversed(<...>.grad_reduce_queue)`` that adds each entry's unit
     and does ``keep_n -= 1`` while ``len(UNITS) > N``; and, as its last statement, one
-    ``<...>.wait_for_previous_grad_reduce(keep_n)`` under ``torch.cuda.stream(<...>.rs_stream)``.
-    N is an attribute path through a ``*config`` object, directly or through one local name
-    assigned from it: the release drains' constant 2 made the configured pool size, whatever the
-    config option is called.
+    ``<...>.wait_for_previous_grad_reduce(keep_n)`` under ``torch.cuda.stream(<...>.rs_stream)``
+    (``on_rs_stream`` False: the same call on its own, on the caller's stream, as the change
+    proposed upstream makes it). N is an attribute path through a ``*config`` object, directly
+    or through one local name assigned from it: the release drains' constant 2 made the
+    configured pool size, whatever the config option is called.
     """
     function = _only_function(source)
     if function is None or not function.body:
@@ -70,7 +71,8 @@ def configured_pool_size(source: str) -> str | None:
     limit = _config_path(next((bound for node in ast.walk(function) if isinstance(node, ast.Assert)
                                if (bound := _len_bound(node.test, ast.LtE)) is not None), None),
                          aliases)
-    if limit is None or not _waits_last_under_rs_stream(function.body[-1], "keep_n"):
+    waits_last = _waits_last_under_rs_stream if on_rs_stream else _waits_last
+    if limit is None or not waits_last(function.body[-1], "keep_n"):
         return None
     counted = any(isinstance(node, ast.For) and _is_reversed_queue(node.iter)
                   and any(isinstance(inner, ast.If)
@@ -88,6 +90,12 @@ def configured_pool_size(source: str) -> str | None:
 def drains_to_configured_pool_size(source: str) -> bool:
     """Whether the drain keeps its configured pool size N live (:func:`configured_pool_size`)."""
     return configured_pool_size(source) is not None
+
+
+def drains_to_configured_pool_size_on_callers_stream(source: str) -> bool:
+    """Whether the drain keeps its configured pool size N live and waits on the caller's stream
+    (:func:`configured_pool_size` with ``on_rs_stream`` False)."""
+    return configured_pool_size(source, on_rs_stream=False) is not None
 
 
 def gradient_pool_size(source: str) -> int | str | None:
@@ -168,12 +176,16 @@ def _waits_last_under_rs_stream(statement: ast.stmt, argument: str) -> bool:
             and len(statement.body) == 1):
         return False
     context = statement.items[0].context_expr
-    wait = statement.body[0]
     return (isinstance(context, ast.Call) and _attribute(context.func) == "stream"
             and len(context.args) == 1 and _attribute(context.args[0]) == "rs_stream"
-            and isinstance(wait, ast.Expr) and isinstance(wait.value, ast.Call)
-            and _attribute(wait.value.func) == "wait_for_previous_grad_reduce"
-            and _names(wait.value.args) == [argument] and not wait.value.keywords)
+            and _waits_last(statement.body[0], argument))
+
+
+def _waits_last(statement: ast.stmt, argument: str) -> bool:
+    """``<...>.wait_for_previous_grad_reduce(argument)`` as a statement of its own."""
+    return (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)
+            and _attribute(statement.value.func) == "wait_for_previous_grad_reduce"
+            and _names(statement.value.args) == [argument] and not statement.value.keywords)
 
 
 def _names(nodes: list[ast.expr]) -> list[str | None]:

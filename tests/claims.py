@@ -1,4 +1,4 @@
-"""Every number in README.md and docs/*.md, tied to the record it comes from.
+"""Every number in README.md, docs/*.md and upstream/PR.md, tied to the record it comes from.
 
 ``tests/test_claims.py`` reads the prose of every doc: the text outside fenced code blocks,
 inline code spans and HTML comments. Each number there must be one of
@@ -61,8 +61,9 @@ sys.path.insert(0, str(REPO / "validation"))
 
 
 def docs() -> list[Path]:
-    """README.md and every docs/*.md: a new doc is covered without being named here."""
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    """README.md, every docs/*.md (a new doc is covered without being named here), and the pull
+    request text proposed upstream."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "upstream" / "PR.md"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,11 +218,11 @@ VERSIONS = set().union(*RELEASES.values()) | {
     "3.11.7", "3.12.1", "3.12.3",  # Python
     "580.159.04",  # the NVIDIA driver of the GPU records
 }
-# NVIDIA/Megatron-LM PRs: #5222 #5657 #5865 #6187 #6316 #6317 #6318 #6357 #6665 #6773 have refs in
-# the clone (refs/pull/N/head, or merged on main); #7001 and #7101 were opened after it was
-# taken (docs/MEGATRON_FSDP_V2.md says so). ROCm/Megatron-LM #146; PyTorch #125484.
-UPSTREAM_PRS = {"#146", "#5222", "#5657", "#5865", "#6187", "#6316", "#6317", "#6318", "#6357",
-                "#6665", "#6773", "#7001", "#7101", "#125484"}
+# NVIDIA/Megatron-LM PRs: #4054 #5222 #5657 #5865 #6187 #6316 #6317 #6318 #6357 #6665 #6773 have
+# refs in the clone (refs/pull/N/head, or merged on main); #7001 and #7101 were opened after it
+# was taken (docs/MEGATRON_FSDP_V2.md says so). ROCm/Megatron-LM #146; PyTorch #125484.
+UPSTREAM_PRS = {"#146", "#4054", "#5222", "#5657", "#5865", "#6187", "#6316", "#6317", "#6318",
+                "#6357", "#6665", "#6773", "#7001", "#7101", "#125484"}
 # Commits: NVIDIA main and the PR heads as the clone has them (d98e8a64dd main, f7b65d4a2e
 # #6316, a932341e12 #6317, aea2db8a7c #6318, 1c2b310fd1 #6665, d732aa1e2e #5657); the others
 # are ROCm/Megatron-LM's.
@@ -308,8 +309,9 @@ def exit_statuses() -> dict[str, int]:
 EXIT_STATUSES = set(exit_statuses().values())
 DATES = {"2026-08-22", "2026-12-02", "2026-12-03", "2026-12-04", "2026-12-05"}
 WORDS = {  # identifiers with a digit in their name
-    "ZeRO-1", "ZeRO-2", "ZeRO-3", "z1", "z2", "z3", "H200", "one-H200", "nvidia-h200", "fp32",
-    "bf16", "fp8", "FP8", "bfloat16", "torch.bfloat16", "torch.float32", "TF32", "L2", "p10",
+    "ZeRO-1", "ZeRO-2", "ZeRO-3", "z1", "z2", "z3", "H200", "H100", "one-H200", "nvidia-h200",
+    "fp32", "bf16", "fp8", "FP8", "bfloat16", "torch.bfloat16", "torch.float32", "TF32", "L2",
+    "p10",
     "p90", "d0", "d5", "d20", "d50", "16k", "16k-async", "c10d", "sm_90", "python3", "b0", "b1",
     "b2", "rep0", "rep1", "run1", "run42", "fp8_param_gather", "fsdp_fp8_transpose_params",
     "Float8Tensor", "libcupti.so.12", "top-1", "1-microbatch", "2-rank", "2-core", "2-slot",
@@ -1342,6 +1344,82 @@ claim(VAL, "0.5.1: **{:.3f}** with the plain fake group, **{:g} (equal values)**
       "semantics", CASES,
       lambda cases: (rel_l2(cases, "fsdp-0.5.1|z3|fused+head|fake|nodb|d0|big"),
                      rel_l2(cases, "fsdp-0.5.1|z3|fused+head|nccl_sem|nodb|d0|big")))
+
+
+# The change proposed upstream on one H100 (the upstream phase, and the step time beside it).
+UPSTREAM_DOC = "docs/UPSTREAM.md"
+UPSTREAM_RAW = "gpu-call6-upstream.json.gz"
+UPSTREAM_PERF = "upstream-perf-h100.json"
+
+
+def upstream_runs(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r["spec"] for r in rec["records"] if r.get("spec") and not r["spec"].get("serialized")]
+
+
+claim(UPSTREAM_DOC, "ZeRO-2 and ZeRO-3, fp32, {} units", UPSTREAM_RAW,
+      lambda rec: (only(s["units"] for s in upstream_runs(rec)),))
+claim(UPSTREAM_DOC, "each reduce-scatter delayed {} or {} ms", UPSTREAM_RAW,
+      lambda rec: tuple(sorted({s.get("delay_ms", 0) for s in upstream_runs(rec)})))
+claim(UPSTREAM_DOC, "run on one NVIDIA {}. Every row is bit-identical at both delays, and the "
+      "audit finds no unordered reuse", "upstream-summary.json",
+      lambda rows: ("H100",) if all(r["outcome"] == "exact" and r["audit_unordered"] == 0
+                                    and r["audit_reuses"] for r in rows) else ())
+
+
+def upstream_step_times(rec: dict[str, Any]) -> tuple[Any, ...]:
+    """Median step ms of patched main (no hotfix) per repetition, then of 0.6.1 with the hotfix,
+    then their ratios, then the one peak memory of all runs."""
+    def medians(release: str) -> list[float]:
+        return [c["result"]["step_ms_median"] for c in sorted(rec["cases"], key=lambda c: c["rep"])
+                if c["release"] == release]
+    patched, hotfix = medians("upstream-main"), medians("fsdp-0.6.1")
+    return (*patched, *hotfix, *(p / h for p, h in zip(patched, hotfix, strict=True)),
+            only(c["result"]["peak_mem_mb"] for c in rec["cases"]))
+
+
+PR_DOC = "upstream/PR.md"
+for doc in (UPSTREAM_DOC, PR_DOC):
+    claim(doc, "bf16, hidden {}, {} units, ZeRO-{}", UPSTREAM_PERF,
+          lambda rec: tuple(only(c["harness"][k] for c in rec["cases"])
+                            for k in ("hidden", "units", "zero")))
+    claim(doc, "patched main without the hotfix {:.1f} and {:.1f} ms median per step, the "
+          "hotfix on megatron-fsdp 0.6.1 {:.1f} and {:.1f} ms (ratio {:.3f} and {:.3f}); peak "
+          "memory {:.0f} MB for both", UPSTREAM_PERF, upstream_step_times)
+
+
+def era_c_l2(tables: list[list[dict[str, str]]], k: int) -> tuple[float, float]:
+    """Range of the relative L2 of era C's releases as shipped over the delayed columns of
+    table k, when their hotfix rows are all bit-identical."""
+    era_c = ("fsdp-0.6.1", "core-0.19.2")
+    rows = [r for r in tables[k - 1] if r["release"] in era_c]
+    assert all(v.startswith("0 (") for r in rows if "mfsdp_hotfix" in r["run"]
+               for c, v in r.items() if c.startswith("RS delay"))
+    return lo_hi([num(v) for r in rows if r["run"] == "double buffer, as shipped"
+                  for c, v in r.items() if c.startswith("RS delay") and "**" in v])
+
+
+def report_delays(tables: list[list[dict[str, str]]]) -> tuple[float, float]:
+    """The smallest and largest nonzero reduce-scatter delay of the correctness tables."""
+    return lo_hi([num(c) for c in tables[0][0] if c.startswith("RS delay") and num(c) > 0])
+
+
+claim(PR_DOC, "with each reduce-scatter delayed by {:g} to {:g} ms, give relative L2 errors of "
+      "{:.3f} to {:.3f} for fused-wgrad units and {:.3f} to {:.3f} for units", REPORT,
+      lambda t: (*report_delays(t), *era_c_l2(t, 1), *era_c_l2(t, 2)))
+claim(PR_DOC, "every row is bit-identical at {} ms and wrong at {} ms", "nslot-summary.json",
+      nslot_outcome_delays)
+claim(PR_DOC, "#6316 at N = {} as shipped makes {} of its {} slot reuses unordered", CONFIGS,
+      lambda rows: (row[:3] if (row := nslot_row(rows, "pr6316-rebuilt-fixedpool-count3"))
+                    and row[3] == 0 else ()))
+claim(PR_DOC, "the rows above at {} and {} ms on both trees", UPSTREAM_RAW,
+      lambda rec: tuple(sorted({s.get("delay_ms", 0) for s in upstream_runs(rec)})))
+claim(PR_DOC, "{} of {} runs bit-identical to the serialized run, the audit finding {} unordered "
+      "reuses", "upstream-summary.json",
+      lambda rows: (sum(r["outcome"] == "exact" for r in rows), len(rows),
+                    sum(r["audit_unordered"] for r in rows)))
+claim(PR_DOC, "measured {:.3f} and {:.3f} (megatron-fsdp 0.6.1) and {:.3f} (megatron-core 0.19.2)",
+      REPORT, lambda t: (perf_ratio(t, "fsdp-0.6.1", "0 ms"), perf_ratio(t, "fsdp-0.6.1", "2.0 ms"),
+                         perf_ratio(t, "core-0.19.2", "0 ms")))
 
 
 if __name__ == "__main__":

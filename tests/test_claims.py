@@ -1,7 +1,7 @@
-"""Every number in README.md and docs/*.md comes from a committed record (see tests/claims.py):
-generated regions are what their report script prints now, claims recompute from their records,
-identifiers are known, and nothing else is left but the pending list, exactly. The summaries are
-what the raw records give."""
+"""Every number in README.md, docs/*.md and upstream/PR.md comes from a committed record (see
+tests/claims.py): generated regions are what their report script prints now, claims recompute
+from their records, identifiers are known, and nothing else is left but the pending list,
+exactly. The summaries are what the raw records give."""
 
 from __future__ import annotations
 
@@ -78,7 +78,9 @@ def test_summaries_are_what_the_raw_records_give() -> None:
     recs = claims.record("gpu_report.py records")
     derived = {"fuzz": gpu_report.fuzz_summary(recs), "te": gpu_report.te_summary(recs),
                "long": gpu_report.long_summary(recs), "oracles": gpu_report.oracle_summary(recs),
-               "maxpool": gpu_report.te_summary(recs, phase="maxpool")}
+               "maxpool": gpu_report.te_summary(recs, phase="maxpool"),
+               "nslot": gpu_report.te_summary(recs, phase="nslot"),
+               "upstream": gpu_report.te_summary(recs, phase="upstream")}
     for name, rows in derived.items():
         committed = json.loads((claims.VALIDATION / f"{name}-summary.json").read_text())
         assert committed == json.loads(json.dumps(rows)), (

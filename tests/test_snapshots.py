@@ -213,22 +213,48 @@ def test_a_drain_sized_by_the_config_is_recognised_whatever_the_attribute_path(
     assert [fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix)] == ["ordered-drain"]
 
 
+_ON_RS_STREAM = ("with torch.cuda.stream(self.rs_stream):\n            "
+                 "self.wait_for_previous_grad_reduce")
+
+
+def test_the_drain_on_the_callers_stream_is_the_change_proposed_upstream(
+        tmp_path: Path) -> None:
+    """#6316's drain with its wait on the caller's stream (upstream/pr6316.patch's shape): era
+    "none", no double-buffer fix needed."""
+    snapshot = snapshots.SNAPSHOTS["pr6316"]
+    root = _built("pr6316", tmp_path)
+    source = _edit(root, registry.DRAIN, _ON_RS_STREAM, "self.wait_for_previous_grad_reduce",
+                   package=snapshot.package)
+    assert structure.configured_pool_size(source) is None
+    assert (structure.configured_pool_size(source, on_rs_stream=False)
+            == "self.buffer.ddp_config.fsdp_buffer_count")
+    found = _detect(root, snapshot.copy)
+    drain = found.shapes[registry.DRAIN]
+    assert found.era is not None and found.era.name == "none"
+    assert drain is not None and (drain.drain_stream, drain.live_units) == (
+        "caller", registry.POOL_SIZE)
+    assert not [fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix)]
+
+
+@pytest.mark.parametrize("callers_stream", [False, True], ids=["rs-stream", "callers-stream"])
 @pytest.mark.parametrize("old, new, count", [
     ("if len(double_buf_units) > buffer_count:", "if len(double_buf_units) > buffer_count - 1:",
      1),
     ("assert len(double_buf_units) <= buffer_count,", "assert len(double_buf_units) <= 3,", 1),
     (_COUNT, "buffer_count = self.buffer.fsdp_buffer_count", 1),
-    ("with torch.cuda.stream(self.rs_stream):\n            self.wait_for_previous_grad_reduce",
-     "self.wait_for_previous_grad_reduce", 1),
+    ("self.wait_for_previous_grad_reduce(keep_n)", "self.wait_for_previous_grad_reduce(0)", 1),
     ("keep_n -= 1", "keep_n -= 2", 1),
-], ids=["retires-one-more", "constant-assert", "not-from-a-config", "caller-stream",
+], ids=["retires-one-more", "constant-assert", "not-from-a-config", "retires-all",
         "retires-two-at-once"])
 def test_another_drain_with_a_configured_pool_size_is_still_refused(
-        tmp_path: Path, old: str, new: str, count: int) -> None:
+        tmp_path: Path, old: str, new: str, count: int, callers_stream: bool) -> None:
     snapshot = snapshots.SNAPSHOTS["pr6316"]
     root = _built("pr6316", tmp_path)
+    if callers_stream:
+        _edit(root, registry.DRAIN, _ON_RS_STREAM, "self.wait_for_previous_grad_reduce",
+              package=snapshot.package)
     source = _edit(root, registry.DRAIN, old, new, count=count, package=snapshot.package)
-    assert structure.configured_pool_size(source) is None
+    assert structure.configured_pool_size(source, on_rs_stream=not callers_stream) is None
     found = _detect(root, snapshot.copy)
     assert found.refused and found.shapes[registry.DRAIN] is None
     assert found.reason.startswith("unrecognised code shape in _enforce_double_buffer_limit")

@@ -31,7 +31,7 @@ import te_matrix  # noqa: E402
 import workdir  # noqa: E402
 
 ALL = list(run_matrix.RELEASED)
-PHASES = ("smoke", "fuzz", "te", "long", "oracles", "maxpool", "nslot")
+PHASES = ("smoke", "fuzz", "te", "long", "oracles", "maxpool", "nslot", "upstream")
 LONG = dict(hidden=256, units=[{"ffn": f, "norm": i == 3} for i, f in
                                enumerate((512, 1024, 768, 512, 1024, 256))],
             tokens=1024, microbatches=4, steps=20, optimizer="adam", lr=1e-3, dtype="fp32",
@@ -150,6 +150,11 @@ def phase_jobs(phase: str, a: argparse.Namespace, te: bool) -> list[dict[str, An
                               dtypes=("fp32",), phase="nslot",
                               size={"buffer_count": te_matrix.NSLOT_COUNT,
                                     "units": te_matrix.NSLOT_UNITS})
+    if phase == "upstream":
+        return [job for release, size in te_matrix.UPSTREAM_TREES.items()
+                for job in te_matrix.plan([release], layers=te_matrix.NSLOT_LAYERS,
+                                          dtypes=("fp32",), phase="upstream", size=size,
+                                          per_job=6, variants=("shipped",))]
     if phase == "long":
         return long_jobs(releases)
     if phase == "oracles":

@@ -7,7 +7,8 @@ RAW defaults to ``docs/validation/gpu-*.json.gz``. ``--write`` writes
 ``docs/validation/fuzz-summary.json`` (``{release, seed, variant, outcome, max_abs_diff}``),
 ``te-summary.json`` (``{release, layer, fuse, zero, delay_ms, dtype, variant, te_version,
 outcome, rel_l2}`` plus the audit's counts and ``delay_wgrad``), ``long-summary.json``,
-``oracles-summary.json``, ``maxpool-summary.json`` and ``nslot-summary.json``. Outcomes:
+``oracles-summary.json``, ``maxpool-summary.json``, ``nslot-summary.json`` and
+``upstream-summary.json``. Outcomes:
 ``exact`` = every gradient, loss and parameter bit-identical to the serialized run of the same
 variant (mfsdp_hotfix/compare.py); ``wrong`` = it ran and
 something differs; ``crash`` = the run or its serialized run raised; ``unsupported`` = the harness
@@ -118,7 +119,8 @@ def te_version_of(recs: list[dict[str, Any]]) -> str | None:
 def te_summary(recs: list[dict[str, Any]], smoke: bool = False, phase: str = "te"
                ) -> list[dict[str, Any]]:
     """The real-TE rows of ``phase`` ("te"; "maxpool": the same rows on MaxPoolAllocator;
-    "nslot": the N-slot pool of NVIDIA PR #6316)."""
+    "nslot": the N-slot pool of NVIDIA PR #6316; "upstream": the change proposed upstream,
+    applied to NVIDIA main and to PR #6316, without the hotfix)."""
     version = te_version_of(recs)
     out = []
     for r in recs:
@@ -335,7 +337,8 @@ def main() -> None:
     summaries = {"fuzz": fuzz_summary(recs, smoke), "te": te_summary(recs, smoke),
                  "long": long_summary(recs, smoke), "oracles": oracle_summary(recs, smoke),
                  "maxpool": te_summary(recs, smoke, phase="maxpool"),
-                 "nslot": te_summary(recs, smoke, phase="nslot")}
+                 "nslot": te_summary(recs, smoke, phase="nslot"),
+                 "upstream": te_summary(recs, smoke, phase="upstream")}
     if a.write:
         for name, rows in summaries.items():
             if rows:
@@ -361,6 +364,9 @@ def main() -> None:
     if summaries["nslot"]:
         print("\n## Real TransformerEngine on an N-slot pool (fsdp_buffer_count)\n")
         print(te_table(summaries["nslot"]))
+    if summaries["upstream"]:
+        print("\n## Real TransformerEngine on the change proposed upstream (MFSDP_HOTFIX=0)\n")
+        print(te_table(summaries["upstream"]))
     skipped = not_run(recs)
     if skipped:
         print("\nNot run: " + "; ".join(f"{n} × {k}" for k, n in sorted(skipped.items())))

@@ -8,7 +8,8 @@ is ``--git-dir`` or ``$MFSDP_TEST_MEGATRON_LM`` (a git dir). The zip holds the v
 ``megatron/core/distributed/fsdp/src/megatron_fsdp`` folder laid out as the standalone
 ``megatron_fsdp`` package, which is how the megatron-fsdp wheel is built from it, and no
 dist-info: a worker imports it as a source checkout on PYTHONPATH. ``run_matrix.RELEASES`` finds
-it by the name ``megatron_fsdp-NAME-COMMIT.zip``.
+it by the name ``megatron_fsdp-NAME-COMMIT.zip``. ``--patch FILE`` applies a patch made against
+Megatron-LM (``upstream/main.patch``) with ``git apply`` before zipping; it must apply cleanly.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 
 SRC = "megatron/core/distributed/fsdp/src/megatron_fsdp/"
@@ -31,6 +33,7 @@ def main() -> int:
                    help="the clone's git dir (default: $MFSDP_TEST_MEGATRON_LM)")
     p.add_argument("--name", default="pr6316", help="the release's short name in run_matrix")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "wheels"))
+    p.add_argument("--patch", help="a patch against Megatron-LM to apply first (git apply)")
     a = p.parse_args()
     if not a.git_dir:
         p.error("no clone: pass --git-dir or set MFSDP_TEST_MEGATRON_LM")
@@ -42,6 +45,8 @@ def main() -> int:
     sha = commit.stdout.strip()
     archive = subprocess.run(git + ["archive", "--format=tar", sha, SRC], capture_output=True,
                              check=True).stdout
+    if a.patch:
+        archive = patched(archive, os.path.abspath(a.patch))
     os.makedirs(a.out, exist_ok=True)
     target = os.path.join(a.out, f"megatron_fsdp-{a.name}-{sha[:10]}.zip")
     files = 0
@@ -54,6 +59,19 @@ def main() -> int:
                 files += 1
     print(f"{target}: {files} files of {a.ref} @ {sha[:10]}", file=sys.stderr)
     return 0
+
+
+def patched(archive: bytes, patch: str) -> bytes:
+    """The tar ``archive`` with ``patch`` applied (``git apply``, no fuzz; raises if it does not
+    apply)."""
+    with tempfile.TemporaryDirectory() as tree:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tree, filter="data")
+        subprocess.run(["git", "apply", "--verbose", patch], cwd=tree, check=True)
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w") as tar:
+            tar.add(os.path.join(tree, SRC), arcname=SRC)
+        return out.getvalue()
 
 
 if __name__ == "__main__":

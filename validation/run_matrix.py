@@ -44,9 +44,14 @@ RELEASES = [  # (short name, wheel glob, import path)
     # fsdp_buffer_count=3 as its default: `python tests/snapshots.py build pr6316 DIR
     # --buffer-count 3`, then DIR's contents zipped as megatron_fsdp-pr6316rebuilt-n3.zip
     ("pr6316-rebuilt", "megatron_fsdp-pr6316rebuilt-*.zip", "megatron_fsdp"),
+    # the change proposed upstream (upstream/), applied to NVIDIA main and to PR #6316:
+    # `validation/pack_tree.py main --patch upstream/main.patch --name upstreammain` and
+    # `validation/pack_tree.py pull-request/6316 --patch upstream/pr6316.patch --name upstreampr6316`
+    ("upstream-main", "megatron_fsdp-upstreammain-*.zip", "megatron_fsdp"),
+    ("upstream-pr6316", "megatron_fsdp-upstreampr6316-*.zip", "megatron_fsdp"),
 ]
 # the phases' default release list: what users can install
-RELEASED = [r[0] for r in RELEASES if not r[0].startswith("pr")]
+RELEASED = [r[0] for r in RELEASES if not r[0].startswith(("pr", "upstream"))]
 REL = {r[0]: r for r in RELEASES}
 
 # correctness model: small enough that 20+ steps of every case fit, big enough to have work
@@ -456,6 +461,18 @@ def _phase_cases(phase, hotfix_ok, args):
                             harness=dict(LARGE, zero=2, db=db, fix=fix, delay_ms=0,
                                          no_grads=True)))
         return out
+    if phase == "perfupstream":
+        # the change proposed upstream, as shipped (no hotfix), against the hotfix on the
+        # release with the same three functions (0.6.1 = main's), interleaved
+        out = []
+        for rep in range(args.perf_reps):
+            for rel, v in (("fsdp-0.6.1", fixv), ("upstream-main", "db")):
+                db, fix = VARIANTS[v]
+                out.append(dict(label=f"{rel}|z2|perf|{v}|d0|rep{rep}", release=rel, variant=v,
+                                zero=2, pg="fake", delay_ms=0, perf=True, rep=rep,
+                                harness=dict(LARGE, zero=2, db=db, fix=fix, delay_ms=0,
+                                             no_grads=True)))
+        return out
     if phase == "perf":
         fixv_h = fixv
         dly = args.perf_delay_ms
@@ -528,7 +545,7 @@ def main():
         if args.budgets:
             b = [float(x) for x in args.budgets.split(",")]
             runner.deadline = time.time() + b[args.phase.index(phase)]
-        if phase in ("perf", "perf2", "issueb2", "issueb3", "auditperf"):
+        if phase in ("perf", "perf2", "issueb2", "issueb3", "auditperf", "perfupstream"):
             runner.workers = 1
         print(f"== phase {phase}: {len(cases)} cases, workers={runner.workers}", flush=True)
         tp = time.time()

@@ -40,6 +40,10 @@ NSLOT_RELEASES = ("pr6316", "pr6316-rebuilt")
 NSLOT_LAYERS = [("emulated", True, False)] + LAYERS[:4]
 NSLOT_COUNT = 3
 NSLOT_UNITS = 6  # twice the pool: every slot is recycled within a backward
+# The change proposed upstream (upstream/): NVIDIA main patched (pool of 2) and PR #6316 patched
+# (pool of NSLOT_COUNT), run as shipped only (MFSDP_HOTFIX=0): the change alone must be exact
+UPSTREAM_TREES = {"upstream-main": {"units": NSLOT_UNITS},
+                  "upstream-pr6316": {"buffer_count": NSLOT_COUNT, "units": NSLOT_UNITS}}
 VARIANTS = {"shipped": "shipped-audit", "hotfix": "hotfix-audit"}
 
 
@@ -50,7 +54,8 @@ def row_id(release: str, layer: str, fuse: bool, dw: bool, zero: int, dtype: str
 def plan(releases: list[str], layers: list[tuple[str, bool, bool]] | None = None,
          zeros: tuple[int, ...] = (2, 3), dtypes: tuple[str, ...] = ("fp32", "bf16"),
          delays: tuple[int, ...] = DELAYS, phase: str = "te", size: dict[str, Any] | None = None,
-         per_job: int = 24) -> list[dict[str, Any]]:
+         per_job: int = 24, variants: tuple[str, ...] = tuple(VARIANTS)
+         ) -> list[dict[str, Any]]:
     """Per (release, variant): the rows in LAYERS order (``size`` may add spec keys, such as
     ``maxpool``), cut in chunks of ``per_job`` serialized
     cases; the queue holds chunk k's serialized jobs of every release and variant, then the
@@ -59,7 +64,8 @@ def plan(releases: list[str], layers: list[tuple[str, bool, bool]] | None = None
     layers = LAYERS if layers is None else layers
     chunks: list[list[dict[str, Any]]] = []
     for release in releases:
-        for variant, proc_variant in VARIANTS.items():
+        for variant in variants:
+            proc_variant = VARIANTS[variant]
             truths, runs = [], []
             for layer, fuse, dw in layers:
                 for zero in zeros:
