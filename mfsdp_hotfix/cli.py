@@ -308,16 +308,16 @@ def _tail(data: dict[str, Any], verbose: bool) -> list[str]:
 
 def _copy_line(copy: dict[str, Any]) -> str:
     """``- megatron-fsdp 0.6.1 (era C): ordered-drain, zero1-accumulate would apply; at PATH``."""
-    name = f"- {copy['copy']} {copy['version'] or '(no version metadata)'}"
     if copy["refused"]:
-        return f"{name}: REFUSED: {copy['reason']}; at {copy['path']}"
+        return (f"- {copy['copy']} {copy['version'] or '(no version metadata)'}: REFUSED: "
+                f"{copy['reason']}; at {copy['path']}")
     by_state: dict[str, list[str]] = {}
     for fix, state in copy["fixes"].items():
         if state["state"] != "not needed":
             by_state.setdefault(state["state"], []).append(fix)
     fixes = "; ".join(f"{', '.join(names)} {state}" for state, names in by_state.items())
     notes = len(copy["notes"])
-    return (f"{name} (era {copy['era']}): {fixes or 'needs none of the fixes'}"
+    return (f"- {reporting.name(copy)}: {fixes or 'needs none of the fixes'}"
             + (f" ({notes} note{'s' if notes > 1 else ''}: --verbose)" if notes else "")
             + f"; at {copy['path']}")
 

@@ -150,10 +150,10 @@ def verdict(data: dict[str, Any], hotfix: str | None) -> dict[str, Any]:
     loaded). Returns ``{"affected", "protected", "line"}``."""
     copies = [copy for copy in data["copies"] if _affected(copy)]
     if not copies:
-        where = "; ".join(f"{_name(copy)} needs none of the fixes" for copy in data["copies"])
+        where = "; ".join(f"{name(copy)} needs none of the fixes" for copy in data["copies"])
         return {"affected": False, "protected": None,
                 "line": f"not affected: {where or 'no Megatron-FSDP copy found'}"}
-    head = "affected: " + ", ".join(_name(copy) for copy in copies)
+    head = "affected: " + ", ".join(name(copy) for copy in copies)
     why, remedies = _unprotected(copies, hotfix)
     if not why:
         fixes = list(dict.fromkeys(fix for copy in copies for fix, state in copy["fixes"].items()
@@ -170,9 +170,13 @@ def _affected(copy: dict[str, Any]) -> bool:
         state["state"] != "not needed" for state in copy["fixes"].values()))
 
 
-def _name(copy: dict[str, Any]) -> str:
-    label = f"{copy['copy']} {copy['version'] or '(no version metadata)'}"
-    return f"{label} (not recognised)" if copy["refused"] else f"{label} (era {copy['era']})"
+def name(copy: dict[str, Any]) -> str:
+    """``megatron-fsdp 0.6.1 (era C)``, ``megatron-fsdp (no version metadata, era none)``,
+    ``... (not recognised)`` for a refused copy."""
+    what = "not recognised" if copy["refused"] else f"era {copy['era']}"
+    if copy["version"]:
+        return f"{copy['copy']} {copy['version']} ({what})"
+    return f"{copy['copy']} (no version metadata, {what})"
 
 
 def _unprotected(copies: list[dict[str, Any]], hotfix: str | None) -> tuple[str, list[str]]:
@@ -183,7 +187,7 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None) -> tuple[str,
     remedies: list[str] = []
     for copy in copies:
         defects = copy.get("release_defects", [])
-        named = f"{_name(copy)}: " if len(copies) > 1 else ""
+        named = f"{name(copy)}: " if len(copies) > 1 else ""
         if copy["refused"]:
             reasons.append(f"{named}left as shipped ({copy['reason']})")
             remedies.append(f"use {DOUBLE_BUFFER_OFF}")

@@ -74,6 +74,12 @@ def test_a_refused_copys_release_defects_are_told_what_to_use() -> None:
         "(unknown getter); use fsdp_double_buffer=False; for new-defect use avoid new-defect")
 
 
+def test_a_copy_without_version_metadata_is_named_by_its_era() -> None:
+    copy = {**_copy({"new-fix": "not needed"}), "version": None, "era": "none"}
+    assert _line("armed", copy) == ("not affected: megatron-fsdp (no version metadata, era none) "
+                                    "needs none of the fixes")
+
+
 def test_not_affected() -> None:
     assert _line("armed") == "not affected: no Megatron-FSDP copy found"
     assert _line("armed", _copy({"new-fix": "not needed"})) == (
