@@ -23,7 +23,7 @@ from typing import Any
 
 import wrapt
 
-from . import coverage, crossrank, detection, incidents, registry
+from . import coverage, crossrank, detection, incidents, registry, variables
 from . import settings as settings_module
 from .__about__ import __version__
 from .detection import Detection
@@ -104,7 +104,8 @@ def install(strict: bool | None = None) -> bool:
         if _state.settings is None:
             _state.settings = settings_module.read(known_fixes=registry.FIX_IDS)
             for problem in _state.settings.problems:
-                log.warning("mfsdp_hotfix: %s", problem)
+                if not variables.told(problem):  # the bootstrap wrote it at start already
+                    log.warning("mfsdp_hotfix: %s", problem)
         settings = _state.settings
         if strict is not None and settings.enabled:
             settings = dataclasses.replace(settings, mode="strict" if strict else "on")

@@ -1098,10 +1098,13 @@ claim("docs/CLI.md", "| {}: the reader of the output went away", EXITS,
       lambda e: (e["BROKEN_PIPE"],))
 claim("docs/CLI.md", "{}: COMMAND cannot be started", EXITS,  # run's and audit's
       lambda e: (e["CANNOT_START"],))
-claim("docs/CLI.md", "COMMAND's status when it failed ({} + N after signal N); else {} for",
-      EXITS, lambda e: (e["SIGNALLED"], only((e["UNORDERED"], e["CRASH"]))))
-claim("docs/CLI.md", "{} when nothing or not everything was checked", EXITS,
-      lambda e: (only((e["UNWATCHED"], e["INCOMPLETE"], e["NOT CHECKED"], e["NO DATA"])),))
+claim("docs/CLI.md", "| {} for a finding (", EXITS,
+      lambda e: (only((e["UNORDERED"], e["CRASH"])),))
+claim("docs/CLI.md", "COMMAND's status when it failed ({} + N after signal N); else {} when "
+      "nothing or not everything was checked", EXITS,
+      lambda e: (e["SIGNALLED"], only((e["UNWATCHED"], e["INCOMPLETE"], e["NOT CHECKED"],
+                                       e["UNWRITABLE"], e["NO DATA"]))))
+claim("docs/AUDIT.md", "**Exit status.** {} only for the verdict", EXITS, lambda e: (e["ordered"],))
 claim("docs/STATUS_PATH.md", "| {} | the copies were judged (with", EXITS,
       lambda e: (e["CHECK_OK"],))
 claim("docs/STATUS_PATH.md", "and none would be left unfixed) | | {} |", EXITS,

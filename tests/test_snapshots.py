@@ -135,10 +135,10 @@ def test_status_says_which_function_matched_which_shape_and_how(tmp_path: Path) 
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply"}
-    text = _status(root)
+    text = _status(root, "--verbose")
     assert ("main_grad_getter: drains before fetching, recognised by structure (guarded)"
             in text)
-    assert ("_enforce_double_buffer_limit: as shipped in 0.19 (megatron-core 0.19.0-0.19.2, "
+    assert ("_enforce_double_buffer_limit: as shipped in megatron-core 0.19.0-0.19.2 (and "
             "megatron-fsdp 0.6.0-0.6.1; waits on rs_stream, keeps 2 units live)" in text)
     assert "note: no megatron-core version metadata: judged by code shape alone" in text
 
@@ -182,7 +182,7 @@ def test_status_of_pr6316_shows_the_pool_size_and_the_fix(tmp_path: Path) -> Non
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply"}
     assert ("gradient pool slots (N): from the config (self.ddp_config.fsdp_buffer_count), "
-            "read when the model is built") in _status(root)
+            "read when the model is built") in _status(root, "--verbose")
 
 
 def test_status_of_a_release_shows_its_fixed_pool_size(tmp_path: Path) -> None:
