@@ -145,7 +145,8 @@ def test_the_verdict_of_a_switched_off_install(fsdp_release) -> None:
         "affected": True, "protected": False,
         "line": "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: MFSDP_HOTFIX=0; use "
                 "fsdp_double_buffer=False; for zero1-fused-wgrad-overwrite use ZeRO-2 or ZeRO-3 "
-                "(optim_grads, optim_grads_params)"}
+                "(optim_grads, optim_grads_params); for unsharded-grads-reduced-twice use "
+                "overlap_grad_reduce=True (the default)"}
 
 
 def test_the_api_answers_for_this_process(fsdp_release) -> None:
@@ -156,7 +157,7 @@ def test_the_api_answers_for_this_process(fsdp_release) -> None:
     assert json.loads(proc.stdout.splitlines()[-1]) == {
         "affected": True, "protected": True,
         "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active and "
-                "applies ordered-drain, zero1-accumulate"}
+                "applies ordered-drain, zero1-accumulate, reduce-once"}
 
 
 def test_disabled_fix_fails_the_check(fsdp_release) -> None:
@@ -203,9 +204,9 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
         return
     assert lines[:2] == [
         "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed and applies "
-        "getter-guard, ordered-drain, zero1-accumulate",
-        "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate would "
-        f"apply; at {fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
+        "getter-guard, ordered-drain, zero1-accumulate, reduce-once",
+        "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate, "
+        f"reduce-once would apply; at {fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
     assert lines[2].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
                              "on PYTHONPATH") and len(lines) == 4, lines
     assert "main_grad_getter" not in proc.stdout and "release defect " not in proc.stdout

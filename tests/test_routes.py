@@ -151,9 +151,10 @@ def test_status(installed: Installed) -> None:
     assert plain.returncode == 0 and plain.stderr == "", plain.stderr
     lines = plain.stdout.splitlines()
     assert lines[0] == ("affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed "
-                        "and applies getter-guard, ordered-drain, zero1-accumulate"), lines
+                        "and applies getter-guard, ordered-drain, zero1-accumulate, "
+                        "reduce-once"), lines
     assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain, "
-                               "zero1-accumulate would apply; at "), lines
+                               "zero1-accumulate, reduce-once would apply; at "), lines
     assert re.fullmatch(r"mfsdp-hotfix \S+, in a new Python process of this environment: the "
                         r"hotfix is armed at interpreter start by \S+/site-packages/"
                         r"mfsdp_hotfix\.pth", lines[2]), lines
@@ -176,7 +177,8 @@ def test_status_path(installed: Installed) -> None:
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == ("affected: megatron-fsdp 0.5.1 (era B) — repaired where the hotfix is "
-                        "loaded: it applies getter-guard, ordered-drain, zero1-accumulate"), lines
+                        "loaded: it applies getter-guard, ordered-drain, zero1-accumulate, "
+                        "reduce-once"), lines
     assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): "), lines
     assert f"for the folder {folder}, read from disk (nothing imported)" in proc.stdout
 
