@@ -1,0 +1,258 @@
+"""The CPU side of validation/megatron_lm.py (Megatron-LM's pretrain_gpt.py on one GPU): the plan
+covers the matrix, the command lines are what each dimension asks for and the releases' own
+argument parser accepts them, a checkout is checked against the wheel by content, the injected
+sitecustomize stays out of other processes and chains on, and the record schema and outcome
+rules hold. The GPU records themselves are tied to docs by tests/test_claims.py."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "validation"))
+import megatron_lm as mlm  # noqa: E402
+import releases  # noqa: E402
+
+
+def test_the_plan_covers_every_dimension_with_a_serialized_truth_for_each_run() -> None:
+    cases = mlm.plan()
+    runs = [c for c in cases if c["group"] != "unit"]
+    serialized = {(c["config"], c["variant"]) for c in runs if c["serialized"]}
+    for c in runs:
+        if not c["serialized"]:
+            assert (c["config"], mlm.truth_variant(c)) in serialized, c["id"]
+    for rel in mlm.RELEASES:
+        for zero in (3, 2):
+            for dtype in ("fp32", "bf16"):
+                for variant in mlm.VARIANTS:
+                    for run in ("serialized", "d0", "d20"):
+                        assert f"{rel}|dp2|zero{zero}|{dtype}|{variant}|{run}" in \
+                            {c["id"] for c in cases}
+        ids = {c["id"] for c in cases}
+        for config in ("zero1|fp32", "zero1|fp32|no-overlap", "zero3|fp8",
+                       "zero3|bf16|recompute", "zero3|bf16|moe"):
+            for variant in mlm.VARIANTS:
+                assert f"{rel}|dp2|{config}|{variant}|d20" in ids, (rel, config)
+        for variant in ("shipped", "hotfix"):
+            assert f"{rel}|unit-tests|{variant}" in ids
+        for audit in mlm.AUDITS:
+            assert f"{rel}|dp2|zero3|fp32|{audit}|d20" in ids
+    first = mlm.RELEASES[0]
+    for variant in ("shipped", "hotfix", *mlm.AUDITS):
+        assert any(c["id"].startswith(f"{first}|dp1|zero3|fp32|{variant}|") for c in cases)
+    assert all(c["launcher"] == "torchrun" for c in runs if c["dp"] == 1)
+    local = mlm.plan(groups=("local", "dp1-local"))
+    assert local and all(c["impl"] == "local" and "|local|" in c["id"] for c in local)
+    assert {c["id"].replace("|local", "") for c in local if c["group"] == "local"} == \
+        {c["id"] for c in cases if c["group"] == "core"}
+    # the order of --groups is the order of the runs
+    groups = [c["group"] for c in mlm.plan(groups=("dp1", "local"))]
+    assert groups == sorted(groups, key=("dp1", "local").index)
+
+
+def test_each_dimension_is_its_own_flag_and_the_batch_is_four_microbatches() -> None:
+    def flags(**kw: Any) -> list[str]:
+        return mlm.pretrain_args(mlm.case("core", "core-0.19.2", **kw))
+
+    base = flags()
+    for flag in ("--use-megatron-fsdp", "--fsdp-double-buffer", "--overlap-grad-reduce",
+                 "--overlap-param-gather", "--fake-process-group", "--mock-data"):
+        assert flag in base
+    assert base[base.index("--ckpt-format") + 1] == "fsdp_dtensor"
+    assert base[base.index("--transformer-impl") + 1] == "transformer_engine"
+    assert "--no-gradient-accumulation-fusion" not in base  # fusion is the default
+    size = mlm.SIZE
+    assert int(base[base.index("--global-batch-size") + 1]) == mlm.MICROBATCHES * size["mbs"] * 2
+    assert "--fsdp-double-buffer" not in flags(variant="db-off")
+    off = flags(zero=1, ogr=False)
+    assert "--overlap-grad-reduce" not in off and "--overlap-param-gather" not in off
+    assert off[off.index("--data-parallel-sharding-strategy") + 1] == "optim"
+    fp8 = flags(dtype="fp8")
+    assert "--bf16" in fp8 and fp8[fp8.index("--fp8-format") + 1] == "hybrid"
+    assert "--recompute-granularity" in flags(recompute=True)
+    assert "--moe-grouped-gemm" in flags(moe=True)
+    dp1 = flags(dp=1)
+    assert "--fake-process-group" not in dp1
+    assert int(dp1[dp1.index("--global-batch-size") + 1]) == mlm.MICROBATCHES * size["mbs"]
+    local = flags(impl="local")
+    assert local[local.index("--transformer-impl") + 1] == "local"
+    assert "--no-gradient-accumulation-fusion" in local
+
+
+@pytest.mark.parametrize("release, kw", [
+    ("core-0.19.2", dict(dtype="fp8")),
+    ("core-0.19.2", dict(dp=1)),
+    ("core-0.18.2", dict(dtype="bf16", moe=True)),
+    ("core-0.18.2", dict(zero=1, ogr=False, variant="db-off")),
+])
+def test_the_releases_own_parser_takes_the_command_line_as_meant(release: str,
+                                                                  kw: dict[str, Any]) -> None:
+    c = mlm.case("core", release, **kw)
+    parsed = mlm.parse_check(str(releases.unpacked("megatron-core", release.split("-")[1])), c)
+    assert parsed["data_parallel_size"] == c["dp"]
+    assert parsed["num_microbatches"] == mlm.MICROBATCHES
+    assert parsed["use_megatron_fsdp"] and parsed["use_distributed_optimizer"]
+    assert parsed["data_parallel_sharding_strategy"] == c["sharding"]
+    assert parsed["fsdp_double_buffer"] == c["db"]
+    assert parsed["overlap_grad_reduce"] == c["overlap_grad_reduce"]
+    assert parsed["gradient_accumulation_fusion"] is True
+    assert parsed["fake_process_group"] == (c["dp"] == 2)
+    assert parsed["bf16"] == (c["dtype"] != "fp32")
+    assert parsed["fp8"] == ("hybrid" if c["dtype"] == "fp8" else None)
+    assert (parsed["num_experts"] or 0) == (mlm.SIZE["experts"] if c["moe"] else 0)
+
+
+def test_a_checkout_is_the_wheels_only_when_every_training_file_is_the_same(tmp_path: Path
+                                                                           ) -> None:
+    wheel, checkout = tmp_path / "wheel", tmp_path / "checkout"
+    for root in (wheel, checkout):
+        (root / "megatron" / "training" / "utils").mkdir(parents=True)
+        (root / "megatron" / "training" / "training.py").write_text("def train_step(): ...\n")
+        (root / "megatron" / "training" / "utils" / "common.py").write_text("X = 1\n")
+    assert mlm.matches(mlm.training_differences(str(checkout), str(wheel)))
+    (checkout / "megatron" / "training" / "utils" / "common.py").write_text("X = 2\n")
+    diff = mlm.training_differences(str(checkout), str(wheel))
+    assert diff["differing"] == ["megatron/training/utils/common.py"] and not mlm.matches(diff)
+    (checkout / "megatron" / "training" / "utils" / "common.py").write_text("X = 1\n")
+    (checkout / "megatron" / "training" / "extra.py").write_text("")
+    assert mlm.training_differences(str(checkout), str(wheel))["only_in_checkout"] == [
+        "megatron/training/extra.py"]
+    # the blob id is git's, so a tree compares with `git ls-tree` too
+    assert mlm.git_blob_sha1(str(checkout / "megatron" / "training" / "extra.py")) == \
+        "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"
+
+
+@pytest.mark.skipif(releases.MEGATRON_LM_GIT is None, reason="needs MFSDP_TEST_MEGATRON_LM "
+                    "(a Megatron-LM git dir)")
+def test_the_documented_revisions_are_the_wheels_training_code(tmp_path: Path) -> None:
+    for release, ref in mlm.REVISIONS.items():
+        out = tmp_path / ref
+        out.mkdir()
+        archive = subprocess.run(["git", "--git-dir", str(releases.MEGATRON_LM_GIT), "archive",
+                                  ref, "megatron/training"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+        for other in mlm.RELEASES:
+            wheel = releases.unpacked("megatron-core", other.split("-")[1])
+            assert mlm.matches(mlm.training_differences(str(out), str(wheel))) == \
+                (other == release), (ref, other)
+
+
+def _run_with_inject(tmp_path: Path, script: str) -> tuple[str, Path]:
+    """Run a script named ``script`` with the injected sitecustomize first on PYTHONPATH and a
+    second sitecustomize after it (which must still run)."""
+    tmp_path.mkdir()
+    nxt = tmp_path / "next"
+    nxt.mkdir()
+    (nxt / "sitecustomize.py").write_text("print('next sitecustomize ran')\n")
+    body = tmp_path / script
+    body.write_text("import sys\nprint('script ran')\nsys.exit(0)\n")
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([mlm.INJECT, str(nxt)]),
+               MFSDP_HOTFIX_BOOTSTRAP="0", MFSDP_MLM_CAPTURE=str(cap))
+    out = subprocess.run([sys.executable, str(body)], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    return out, cap
+
+
+def test_the_injection_acts_only_in_pretrain_gpt_and_chains_to_the_next_sitecustomize(
+        tmp_path: Path) -> None:
+    out, cap = _run_with_inject(tmp_path / "other", "train.py")
+    assert "next sitecustomize ran" in out and "script ran" in out
+    assert not list(cap.iterdir())  # not pretrain_gpt.py: nothing done
+    out, cap = _run_with_inject(tmp_path / "pretrain", "pretrain_gpt.py")
+    assert "next sitecustomize ran" in out
+    state = json.loads((cap / "capture.json").read_text())
+    assert state["stages"] == ["started"] and state["iterations"] == 0
+    assert state["hotfix_loaded"] is False  # the shipped route imports nothing of the package
+    assert "fused_weight_gradient_mlp_cuda" not in out
+
+
+def _record(outcome: str, **kw: Any) -> dict[str, Any]:
+    c = mlm.case("core", "core-0.19.2", variant="shipped", delay_ms=20)
+    return dict(c, outcome=outcome, **kw)
+
+
+def test_a_run_refused_before_its_first_iteration_is_unsupported_and_a_later_failure_a_crash(
+        ) -> None:
+    before = {"stages": ["started"], "iterations": 0}
+    during = {"stages": ["started", "training"], "iterations": 1}
+    assert mlm.classify(1, before, 3, "AssertionError: not supported with X", None) == \
+        "unsupported"
+    assert mlm.classify(1, before, 3, "TypeError: int // None", None) == "crash"
+    assert mlm.classify(1, during, 3, "AssertionError: No buffer found", None) == "crash"
+    assert mlm.classify(0, during, 3, None, None) == "crash"  # fewer iterations than planned
+    done = {"stages": ["started", "training"], "iterations": 3}
+    assert mlm.classify(0, done, 3, None, "wrong") == "wrong"
+    assert mlm.classify(0, done, 3, None, "exact") == "exact"
+    assert mlm.classify(0, done, 3, None, None) == "ok"
+
+
+def test_summary_rows_have_exactly_the_schema_keys() -> None:
+    rows = [mlm.row(_record("wrong", comparison={"rel_l2": 0.5, "max_abs_diff": 1.0,
+                                                 "first_bad_step": 0}, error=None)),
+            mlm.row(dict(group="unit", release="core-0.19.2", variant="hotfix",
+                         id="core-0.19.2|unit-tests|hotfix", serialized=False, outcome="ok"))]
+    for r in rows:
+        assert tuple(r) == mlm.ROW_KEYS and r["outcome"] in mlm.OUTCOMES
+    assert rows[0]["rel_l2"] == 0.5 and rows[0]["zero"] == 3
+    assert "| core-0.19.2 | TE | 3 | fp32 | – | shipped | – | – | wrong (rel. L2 0.5) |" in \
+        mlm.report_tables({"rows": rows, "unit_tests": {}})
+
+
+RAW = REPO / "docs" / "validation" / "megatron-lm-h100.json.gz"
+
+
+@pytest.mark.skipif(not RAW.exists(), reason="no Megatron-LM GPU record committed")
+def test_the_committed_summary_is_what_the_raw_record_gives() -> None:
+    with gzip.open(RAW, "rt") as f:
+        raw = json.load(f)
+    committed = json.loads(RAW.with_name("megatron-lm-summary.json").read_text())
+    assert committed == json.loads(json.dumps(mlm.summary(raw))), (
+        "run python validation/megatron_lm.py --summary " + str(RAW.relative_to(REPO)))
+    assert all(r["outcome"] in mlm.OUTCOMES for r in committed["rows"])
+    assert all(check["matches"] for check in committed["checkouts"].values())
+
+
+def test_unit_test_outcomes_are_read_from_pytests_verbose_lines_as_they_come() -> None:
+    log = ("tests/unit_tests/a.py::TestA::test_x[a-b] PASSED [ 10%]\n"
+           "tests/unit_tests/a.py::test_y SKIPPED (This test requires 8 GPUs) [ 20%]\n"
+           "tests/unit_tests/a.py::test_z PASSED [ 30%]\n"
+           "tests/unit_tests/a.py::test_z ERROR [ 30%]\n"
+           "some other line\n")
+    assert mlm.pytest_outcomes(log) == {
+        "tests/unit_tests/a.py::TestA::test_x[a-b]": "passed",
+        "tests/unit_tests/a.py::test_y": "skipped: This test requires 8 GPUs",
+        "tests/unit_tests/a.py::test_z": "error"}
+    table = mlm.unit_test_table([
+        dict(group="unit", release="core-0.19.2", variant="shipped",
+             tests={"t::a": "passed", "t::b": "skipped: x"}),
+        dict(group="unit", release="core-0.19.2", variant="hotfix",
+             tests={"t::a": "failed", "t::b": "skipped: x"})])
+    assert table["core-0.19.2"]["differ"] == ["t::a"]
+
+
+def test_serialized_runs_are_compared_with_the_shipped_one_of_their_configuration(
+        tmp_path: Path) -> None:
+    import torch
+
+    steps = [{"grad/0.0": torch.arange(4.0), "loss/lm loss": torch.tensor(1.5)}]
+    other = [{"grad/0.0": torch.arange(4.0) + 1, "loss/lm loss": torch.tensor(1.5)}]
+    results = []
+    for variant, data in (("shipped", steps), ("hotfix", steps), ("db-off", other)):
+        c = mlm.case("core", "core-0.19.2", variant=variant, serialized=True)
+        torch.save(data, tmp_path / f"{variant}.pt")
+        results.append(dict(c, capture_file=str(tmp_path / f"{variant}.pt")))
+    pairs = mlm.serialized_pairs(results)
+    config = results[0]["config"]
+    assert pairs[f"{config}|hotfix"]["outcome"] == "exact"
+    assert pairs[f"{config}|db-off"]["outcome"] == "wrong"
+    assert pairs[f"{config}|db-off"]["differing"] == ["grad/0.0"]

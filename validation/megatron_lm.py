@@ -1,0 +1,906 @@
+#!/usr/bin/env python3
+"""Megatron-LM's own training loop on one GPU: ``pretrain_gpt.py``, unchanged, with mock data.
+
+Every run trains ``ITERS`` iterations of ``MICROBATCHES`` microbatches through
+``megatron.training.pretrain`` (``forward_backward_no_pipelining``, ``finalize_model_grads``, the
+distributed optimizer, gradient clipping) with ``--use-megatron-fsdp``, and is compared bit for
+bit, iteration by iteration, with the same run serialized (``CUDA_LAUNCH_BLOCKING=1``): the
+reported losses, the grad norm, the reduced gradient (every gradient buffer after the
+iteration) and the updated parameters (every weight buffer).
+
+``megatron/training`` comes from the megatron-core wheel; ``pretrain_gpt.py``,
+``gpt_builders.py`` and ``model_provider.py`` from a Megatron-LM checkout given by
+``--megatron-lm [RELEASE=]DIR`` whose ``megatron/training`` must be the wheel's, file for file
+(``training_differences``; a checkout that differs is refused). The three scripts are copied
+into the run's own folder and run from there, so the checkout's ``megatron/`` never shadows the
+wheel. What the process needs around the script goes in through ``PYTHONPATH``
+(``validation/mlm_inject/sitecustomize.py``): the fake group's NCCL semantics and the slow
+reduce-scatter, the APEX stub, the shipped dataset helpers, and the capture.
+
+Runs (``plan``), most important first:
+* ``dp2``: data-parallel size 2 in one process, Megatron-LM's ``--fake-process-group`` with
+  ``WORLD_SIZE=2`` and NCCL work semantics, a reduce-scatter delayed 0 and 20 ms; each
+  configuration as shipped, with the hotfix (``mfsdp-hotfix run --``) and with
+  ``--fsdp-double-buffer`` left out, each against its own serialized run; the audit route
+  (``mfsdp-hotfix audit``) with and without ``MFSDP_HOTFIX=0`` beside ZeRO-3.
+* ``dp1``: world size 1 with real NCCL through ``torchrun``, the plain user route, and the
+  audit route on it. At a data-parallel size of 1 the gradient buffer is not distributed and
+  ``fetch_bucket`` returns a view of it: no gradient-pool slot is ever taken, which the capture
+  counts (``pool_allocations``); those runs are smoke tests.
+* ``unit``: Megatron-LM's own Megatron-FSDP unit tests from the same checkout, through
+  ``torchrun --nproc-per-node 1 -m pytest``, as shipped and with the hotfix.
+
+    python3 validation/megatron_lm.py --megatron-lm core-0.19.2=ML19 \\
+        --megatron-lm core-0.18.2=ML18 --out megatron-lm.json       # GPU
+    python3 validation/megatron_lm.py --dry                          # the plan, no GPU
+    python3 validation/megatron_lm.py --summary megatron-lm.json     # the summary rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import comparison  # noqa: E402  (no torch at import)
+import workdir  # noqa: E402
+
+INJECT = os.path.join(HERE, "mlm_inject")
+RELEASES = ("core-0.19.2", "core-0.18.2")
+WHEELS = {"core-0.19.2": "megatron_core-0.19.2-*.whl", "core-0.18.2": "megatron_core-0.18.2-*.whl"}
+# the Megatron-LM revision each wheel's megatron/training was found identical to (the check is
+# by content, training_differences; these names are what the docs tell users to check out)
+REVISIONS = {"core-0.19.2": "core_r0.19.0", "core-0.18.2": "core_v0.18.2"}
+SCRIPTS = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
+UNIT_TESTS = {"core-0.19.2": "tests/unit_tests/distributed/mfsdp_v1",
+              "core-0.18.2": "tests/unit_tests/distributed/megatron_fsdp"}
+ZERO = {"optim_grads_params": 3, "optim_grads": 2, "optim": 1}
+VARIANTS = ("shipped", "hotfix", "db-off")
+AUDITS = ("audit-shipped", "audit-hotfix")  # audit route, with MFSDP_HOTFIX=0 / as installed
+ITERS = 3
+MICROBATCHES = 4
+SIZE = dict(layers=4, hidden=512, heads=8, ffn=2048, seq=512, mbs=2, vocab=8192, experts=4,
+            moe_ffn=1024)
+DELAYS = (0.0, 20.0)
+ROW_KEYS = ("id", "group", "release", "dp", "launcher", "zero", "dtype", "overlap_grad_reduce",
+            "overlap_param_gather", "recompute", "moe", "variant", "delay_ms", "serialized",
+            "outcome", "rel_l2", "max_abs", "first_bad_step", "iterations", "grad_pool_allocations",
+            "audit", "error")
+OUTCOMES = ("exact", "wrong", "crash", "unsupported", "ok", "ran, no truth", "not run")
+
+
+# ------------------------------------------------------------------------- the checkout
+def git_blob_sha1(path: str) -> str:
+    """The file's git blob id, so a plain tree compares with ``git ls-tree`` output too."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def tree_ids(root: str, sub: str = "megatron/training") -> dict[str, str]:
+    out = {}
+    base = os.path.join(root, sub)
+    for folder, _, files in os.walk(base):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                out[os.path.relpath(path, root)] = git_blob_sha1(path)
+    return out
+
+
+def training_differences(checkout: str, release_dir: str) -> dict[str, Any]:
+    """``megatron/training/**.py`` of a Megatron-LM checkout against the wheel's, by content."""
+    mine, wheel = tree_ids(checkout), tree_ids(release_dir)
+    return {"files": len(wheel),
+            "differing": sorted(k for k in wheel if k in mine and mine[k] != wheel[k]),
+            "only_in_wheel": sorted(set(wheel) - set(mine)),
+            "only_in_checkout": sorted(set(mine) - set(wheel))}
+
+
+def matches(diff: dict[str, Any]) -> bool:
+    return bool(diff["files"]) and not (diff["differing"] or diff["only_in_wheel"]
+                                        or diff["only_in_checkout"])
+
+
+# ------------------------------------------------------------------------- the plan
+def case(group: str, release: str, *, dp: int = 2, zero: int = 3, dtype: str = "fp32",
+         ogr: bool = True, recompute: bool = False, moe: bool = False, variant: str = "shipped",
+         delay_ms: float = 0.0, serialized: bool = False, impl: str = "te") -> dict[str, Any]:
+    """``impl``: ``te`` (TE layers, fused wgrad accumulation: the default route) or ``local``
+    (megatron-core's own layers, ``--no-gradient-accumulation-fusion``: runs without TE)."""
+    sharding = {v: k for k, v in ZERO.items()}[zero]
+    c = dict(group=group, release=release, dp=dp, launcher="fake" if dp == 2 else "torchrun",
+             impl=impl, zero=zero, sharding=sharding, dtype=dtype, overlap_grad_reduce=ogr,
+             overlap_param_gather=ogr, recompute=recompute, moe=moe, variant=variant,
+             db=variant != "db-off", delay_ms=0.0 if serialized else float(delay_ms),
+             serialized=serialized, iterations=ITERS, microbatches=MICROBATCHES)
+    c["config"] = config_key(c)
+    c["id"] = f"{c['config']}|{variant}|" + ("serialized" if serialized else f"d{delay_ms:g}")
+    return c
+
+
+def config_key(c: dict[str, Any]) -> str:
+    extra = [x for x, on in (("local", c["impl"] == "local"), ("recompute", c["recompute"]),
+                             ("moe", c["moe"]),
+                             ("no-overlap", not c["overlap_grad_reduce"])) if on]
+    return "|".join([c["release"], f"dp{c['dp']}", f"zero{c['zero']}", c["dtype"]] + extra)
+
+
+def truth_variant(c: dict[str, Any]) -> str:
+    """Whose serialized run a case is compared with: its own variant's (the audit runs: the
+    code they run, shipped or hotfix)."""
+    return {"audit-shipped": "shipped", "audit-hotfix": "hotfix"}.get(c["variant"], c["variant"])
+
+
+def configurations(release: str, dp: int, zero: int, dtype: str, ogr: bool = True,
+                   recompute: bool = False, moe: bool = False, delays=DELAYS,
+                   group: str = "dp2", variants=VARIANTS, impl: str = "te"
+                   ) -> list[dict[str, Any]]:
+    """One configuration: a serialized run per variant, then each variant at each delay."""
+    kw = dict(dp=dp, zero=zero, dtype=dtype, ogr=ogr, recompute=recompute, moe=moe, impl=impl)
+    out = [case(group, release, variant=v, serialized=True, **kw) for v in variants]
+    out += [case(group, release, variant=v, delay_ms=d, **kw) for d in delays for v in variants]
+    return out
+
+
+GROUPS = ("local", "core", "dp1", "zero1", "unit", "extras")
+MORE_GROUPS = ("core3", "core2", "local3", "local2", "dp1-local")  # halves, or without TE
+
+
+def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
+    """Every run, in the order of ``groups`` (a cut time budget drops the end of the list):
+    ``local`` (``core`` without TE: megatron-core's own layers; runs while TE is being built),
+    ``core`` (ZeRO-3 and ZeRO-2, fp32 and bf16, the audit route; the first release, then the
+    others), ``dp1`` (world size one), ``zero1``, ``unit``, ``extras`` (fp8, recompute, MoE);
+    and ``MORE_GROUPS``: ``core3``/``core2`` and ``local3``/``local2`` (one ZeRO level),
+    ``dp1-local`` (world size one without TE). ``GROUP@RELEASE`` plans a group for one
+    release."""
+    out: list[dict[str, Any]] = []
+    for spec in groups:
+        group, _, only = spec.partition("@")  # GROUP@RELEASE: that release only
+        if only and only not in releases:
+            raise ValueError(f"{spec}: {only} is not among the releases {releases}")
+        first, rest = (only, ()) if only else (releases[0], releases[1:])
+        releases_here = (first,) + tuple(rest)
+        if group in ("core", "core3", "core2", "local", "local3", "local2"):
+            # core3/core2 (local3/local2): its ZeRO-3/ZeRO-2 half; local*: without TE
+            zeros = {"": (3, 2), "3": (3,), "2": (2,)}[group[-1] if group[-1] in "23" else ""]
+            impl = "local" if group.startswith("local") else "te"
+            label = "local" if impl == "local" else "core"
+            for rel in releases_here:
+                for zero in zeros:
+                    for dtype in ("fp32", "bf16"):
+                        out.extend(configurations(rel, 2, zero, dtype, group=label, impl=impl))
+                    if zero == 3:  # the audit route on the DP=2 job, at the delay that
+                        # breaks the shipped code
+                        out.extend(case(label, rel, variant=v, delay_ms=DELAYS[-1], impl=impl)
+                                   for v in AUDITS)
+        elif group in ("dp1", "dp1-local"):
+            # world size 1, real NCCL: the plain route and the audit route (no fake group, no
+            # delay); dp1-local: the same without TE
+            impl = "local" if group == "dp1-local" else "te"
+            out.extend(configurations(first, 1, 3, "fp32", delays=(0.0,), group="dp1",
+                                      variants=("shipped", "hotfix"), impl=impl))
+            out.extend(case("dp1", first, dp=1, variant=v, impl=impl) for v in AUDITS)
+        elif group == "zero1":
+            for rel in releases_here:
+                for ogr in (True, False):
+                    out.extend(configurations(rel, 2, 1, "fp32", ogr=ogr, group="zero1"))
+        elif group == "unit":
+            for rel in releases_here:
+                out.extend(dict(group="unit", release=rel, variant=v, impl="te",
+                                id=f"{rel}|unit-tests|{v}", serialized=False)
+                           for v in ("shipped", "hotfix"))
+        elif group == "extras":
+            for rel in releases_here:
+                out.extend(configurations(rel, 2, 3, "fp8", group="extras"))
+                out.extend(configurations(rel, 2, 3, "bf16", recompute=True, group="extras"))
+                out.extend(configurations(rel, 2, 3, "bf16", moe=True, group="extras"))
+        else:
+            raise ValueError(f"unknown group {group!r} (known: "
+                             f"{', '.join(GROUPS + MORE_GROUPS)})")
+    ids = [c["id"] for c in out]
+    assert len(ids) == len(set(ids)), "a case is planned twice"
+    return out
+
+
+def pretrain_args(c: dict[str, Any], size: dict[str, int] = SIZE) -> list[str]:
+    """``pretrain_gpt.py``'s command line for a case (a small GPT, mock data, TE layers)."""
+    z = size
+    gbs = MICROBATCHES * z["mbs"] * c["dp"]
+    a = ["--num-layers", z["layers"], "--hidden-size", z["hidden"],
+         "--num-attention-heads", z["heads"], "--ffn-hidden-size", z["ffn"],
+         "--seq-length", z["seq"], "--max-position-embeddings", z["seq"],
+         "--micro-batch-size", z["mbs"], "--global-batch-size", gbs,
+         "--train-iters", c["iterations"], "--eval-iters", 0, "--eval-interval", 1000,
+         "--log-interval", 1,
+         "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "constant",
+         "--clip-grad", "1.0", "--weight-decay", "0.01", "--optimizer", "adam", "--seed", 1234,
+         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", z["vocab"],
+         "--num-workers", 0,
+         "--position-embedding-type", "rope", "--no-rope-fusion", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--hidden-dropout", 0,
+         "--attention-dropout", 0,
+         "--use-megatron-fsdp", "--data-parallel-sharding-strategy", c["sharding"],
+         "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+    if c["impl"] == "te":
+        a += ["--transformer-impl", "transformer_engine", "--attention-backend", "unfused"]
+    else:
+        # the local layer spec always takes megatron-core's DotProductAttention
+        a += ["--transformer-impl", "local", "--no-gradient-accumulation-fusion"]
+    if c["db"]:
+        a.append("--fsdp-double-buffer")
+    if c["overlap_grad_reduce"]:
+        a.append("--overlap-grad-reduce")
+    if c["overlap_param_gather"]:
+        a.append("--overlap-param-gather")
+    if c["dtype"] in ("bf16", "fp8"):
+        a.append("--bf16")
+    if c["dtype"] == "fp8":
+        a += ["--fp8-format", "hybrid"]
+    if c["recompute"]:
+        a += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+              "--recompute-num-layers", 1]
+    if c["moe"]:
+        a += ["--num-experts", z["experts"], "--moe-ffn-hidden-size", z["moe_ffn"],
+              "--moe-router-topk", 1, "--moe-grouped-gemm", "--moe-token-dispatcher-type",
+              "alltoall", "--moe-aux-loss-coeff", 0, "--moe-router-load-balancing-type", "none"]
+    if c["launcher"] == "fake":
+        a.append("--fake-process-group")
+    return [str(x) for x in a]
+
+
+PARSE_CODE = r"""
+import json, sys, typing
+if not hasattr(typing, "override"):  # Python < 3.12 (CPU checks only): a no-op decorator
+    typing.override = lambda f: f
+import megatron.training.arguments as arguments
+import torch
+# the GPU runs' H100/H200 (there is no GPU here)
+arguments.get_device_arch_version = lambda: 9
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+sys.argv = ["pretrain_gpt.py"] + json.loads(sys.argv[1])
+args = arguments.parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+keys = ("data_parallel_size", "world_size", "use_megatron_fsdp", "fsdp_double_buffer",
+        "data_parallel_sharding_strategy", "overlap_grad_reduce", "overlap_param_gather",
+        "use_distributed_optimizer", "gradient_accumulation_fusion", "bf16", "fp8",
+        "recompute_granularity", "recompute_method", "num_experts", "moe_grouped_gemm",
+        "fake_process_group", "ckpt_format", "global_batch_size", "micro_batch_size")
+out = {k: getattr(args, k, None) for k in keys}
+out["num_microbatches"] = get_num_microbatches()
+print("PARSED " + json.dumps(out))
+"""
+
+
+def parse_check(release_dir: str, c: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """The case's command line through the release's own ``parse_and_validate_args`` (CPU: the
+    device architecture is given as Hopper's). Returns the parsed settings that the case sets."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [release_dir] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+        WORLD_SIZE=str(c["dp"]), RANK="0", LOCAL_RANK="0")
+    env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    p = subprocess.run([sys.executable, "-c", PARSE_CODE, json.dumps(pretrain_args(c))],
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    for line in p.stdout.splitlines():
+        if line.startswith("PARSED "):
+            parsed: dict[str, Any] = json.loads(line[len("PARSED "):])
+            return parsed
+    raise RuntimeError(f"{c['id']}: the release refused the command line "
+                       f"(exit {p.returncode}): {(p.stdout + p.stderr)[-3000:]}")
+
+
+# ------------------------------------------------------------------------- one run
+class Paths:
+    """Where the release, the scripts and this run's folders are."""
+
+    def __init__(self, rel_dirs: dict[str, str], src_dirs: dict[str, str]) -> None:
+        self.rel = rel_dirs
+        self.src = src_dirs
+
+
+def stage_sources(checkouts: dict[str, str], rel_dirs: dict[str, str]) -> tuple[dict, dict]:
+    """Per release: check the checkout against the wheel, copy the scripts (and the unit tests)
+    into this run's folder. Returns (src dirs, checks)."""
+    src, checks = {}, {}
+    for rel, checkout in checkouts.items():
+        if rel not in rel_dirs:
+            continue
+        diff = training_differences(checkout, rel_dirs[rel])
+        checks[rel] = dict(diff, checkout=os.path.abspath(checkout), matches=matches(diff))
+        if not matches(diff):
+            continue
+        dest = os.path.join(workdir.run_dir(), "src", rel)
+        os.makedirs(dest)
+        for name in SCRIPTS:
+            shutil.copy2(os.path.join(checkout, name), dest)
+        tests = os.path.join(checkout, "tests")
+        if os.path.isdir(tests):
+            shutil.copytree(tests, os.path.join(dest, "tests"))
+        src[rel] = dest
+    return src, checks
+
+
+def command(c: dict[str, Any], paths: Paths, folder: str, cycles_per_ms: float
+            ) -> tuple[list[str], dict[str, str]]:
+    """The exact command line and environment of a case."""
+    py = sys.executable
+    script = os.path.join(paths.src[c["release"]], "pretrain_gpt.py")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [INJECT, paths.rel[c["release"]], REPO] + te_paths(c, env))
+    env.update(CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               NVTE_FLASH_ATTN="0", NVTE_FUSED_ATTN="0", MFSDP_MLM_CAPTURE=folder)
+    for k in ("MFSDP_HOTFIX", "MFSDP_HOTFIX_AUDIT", "CUDA_LAUNCH_BLOCKING"):
+        env.pop(k, None)
+    if c["serialized"]:
+        env["CUDA_LAUNCH_BLOCKING"] = "1"
+    if c["launcher"] == "fake":
+        # FakeStore has neither set nor get: the hotfix's cross-rank check cannot run there
+        env.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()), MFSDP_MLM_FAKE_NCCL="1",
+                   MFSDP_HOTFIX_CROSS_RANK_CHECK="off",
+                   MFSDP_MLM_RS_DELAY_CYCLES=str(int(round(c["delay_ms"] * cycles_per_ms))))
+        job = [py, script]
+    else:
+        job = torchrun() + ["--nproc-per-node", "1", "--master-port", str(free_port()), script]
+    job += pretrain_args(c)
+    hotfix_cli = [py, "-m", "mfsdp_hotfix"]
+    if c["variant"] == "hotfix":
+        job = hotfix_cli + ["run", "--"] + job
+    elif c["variant"] in AUDITS:
+        if c["variant"] == "audit-shipped":
+            env["MFSDP_HOTFIX"] = "0"
+        job = hotfix_cli + ["audit", "--out", os.path.join(folder, "audit", "run"), "--"] + job
+    return job, env
+
+
+def te_paths(c: dict[str, Any], env: dict[str, str]) -> list[str]:
+    """The ``PYTHONPATH`` tail of a case; a TE case also gets what TE's setup exported (its
+    site folder, library path), when TE was set up by ``megatron_lm_call.sh``."""
+    import engine
+
+    tail = [p for p in [env.get("PYTHONPATH")] if p]
+    if c.get("impl", "te") != "te":
+        return tail
+    te = engine.te_env()
+    if te.get("LD_LIBRARY_PATH"):
+        env["LD_LIBRARY_PATH"] = te["LD_LIBRARY_PATH"]
+    return [p for p in [te.get("PYTHONPATH")] if p] + tail
+
+
+def torchrun() -> list[str]:
+    found = shutil.which("torchrun")
+    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+ERROR_LINE = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?([A-Za-z_.]*(?:Error|Exception|Exit))(?::\s*(.*))?$")
+AUDIT_LINE = re.compile(r"^audit: ([A-Z ]+|ordered):")
+
+
+def last_error(log: str) -> str | None:
+    """The last ``SomeError: message`` line of a log (the exception that ended the run)."""
+    found = None
+    for line in log.splitlines():
+        m = ERROR_LINE.match(line)
+        if m:
+            found = f"{m.group(1)}: {(m.group(2) or '').strip()}"[:600]
+    return found
+
+
+def audit_verdict(log: str) -> str | None:
+    for line in reversed(log.splitlines()):
+        m = AUDIT_LINE.match(line.strip())
+        if m:
+            return m.group(1).strip()
+    return None
+
+
+def classify(rc: Any, capture: dict[str, Any] | None, iterations: int, error: str | None,
+             comparison_outcome: str | None) -> str:
+    """exact | wrong (compared with the serialized run) | ok (ran, nothing to compare with) |
+    unsupported (refused before its first iteration by a check of the release) | crash."""
+    stages = (capture or {}).get("stages", [])
+    done = (capture or {}).get("iterations", 0)
+    if rc == 0 and done == iterations:
+        return comparison_outcome or "ok"
+    refused = any(e in (error or "") for e in ("AssertionError", "ValueError",
+                                                  "NotImplementedError"))
+    if "training" not in stages and refused:
+        return "unsupported"
+    return "crash"
+
+
+def run_case(c: dict[str, Any], paths: Paths, cycles_per_ms: float, timeout: float
+             ) -> dict[str, Any]:
+    folder = os.path.join(workdir.run_dir(), "cases", c["id"].replace("|", "_"))
+    os.makedirs(folder)
+    argv, env = command(c, paths, folder, cycles_per_ms)
+    t0 = time.time()
+    rc, log = _run(argv, env, folder, timeout)
+    rec = dict(c, argv=argv, rc=rc, proc_s=round(time.time() - t0, 1))
+    cap_json = os.path.join(folder, "capture.json")
+    capture = None
+    if os.path.exists(cap_json):
+        with open(cap_json) as f:
+            capture = json.load(f)
+    rec["capture"] = capture
+    rec["error"] = ((capture or {}).get("error") or {}).get("type")
+    if rec["error"]:
+        rec["error"] += ": " + capture["error"]["message"][:600]
+    elif rc != 0 and not (c["variant"] in AUDITS and "(command exit status 0)" in log):
+        rec["error"] = last_error(log) or f"exit status {rc}"
+    if c["variant"] in AUDITS:
+        # `mfsdp-hotfix audit` exits with its verdict's status when the command succeeded; the
+        # training's own exit status is in its last line
+        status = re.findall(r"\(command exit status (-?\d+)\)", log)
+        rec["command_rc"] = int(status[-1]) if status else None
+        rec["audit"] = audit_verdict(log)
+        rec["audit_lines"] = [ln for ln in log.splitlines()
+                              if "audit" in ln and ("unordered" in ln or ln.startswith("audit:"))][-6:]
+    pt = os.path.join(folder, "capture.pt")
+    outcome_cmp = None
+    if os.path.exists(pt):
+        rec["capture_file"] = pt
+        if c.get("truth"):
+            import torch
+
+            if os.path.exists(c["truth"]):
+                cmp = comparison.compare(torch.load(pt), torch.load(c["truth"])).to_dict()
+                rec["comparison"] = cmp
+                outcome_cmp = cmp["outcome"]
+            else:
+                rec["no_truth"] = "its serialized run left no capture"
+    rec["outcome"] = classify(rec.get("command_rc", rc), capture, c["iterations"], rec["error"],
+                              outcome_cmp)
+    if (capture or {}).get("capture_errors"):
+        rec["outcome"] = "crash"
+        rec["error"] = "harness: capture failed: " + capture["capture_errors"][0]
+    loaded = (capture or {}).get("hotfix_loaded")
+    if loaded is not None and loaded != (c["variant"] in ("hotfix",) + AUDITS):
+        # the run is not what its label says: never report it as a result
+        rec["outcome"] = "crash"
+        rec["error"] = f"harness: hotfix loaded={loaded} in a {c['variant']} run"
+    if rec["outcome"] == "ok" and c.get("truth"):
+        rec["outcome"] = "ran, no truth"
+    if rec["outcome"] not in ("exact", "ok"):
+        rec["log_tail"] = log[-5000:]
+    rec["log_head_versions"] = [ln for ln in log.splitlines()[:400]
+                                if "version" in ln.lower() and ">" in ln][:4]
+    return rec
+
+
+def run_unit_tests(c: dict[str, Any], paths: Paths, timeout: float) -> dict[str, Any]:
+    """Megatron-LM's Megatron-FSDP unit tests on one GPU, as shipped or with the hotfix. Each
+    test's end is read from pytest's verbose lines as they come, so a run cut by the time budget
+    keeps the tests it finished (and says it was cut)."""
+    src = paths.src[c["release"]]
+    folder = os.path.join(workdir.run_dir(), "cases", c["id"].replace("|", "_"))
+    os.makedirs(folder)
+    argv = torchrun() + ["--nproc-per-node", "1", "--master-port", str(free_port()), "-m",
+                         "pytest", "-v", "-p", "no:cacheprovider", UNIT_TESTS[c["release"]]]
+    if c["variant"] == "hotfix":
+        argv = [sys.executable, "-m", "mfsdp_hotfix", "run", "--"] + argv
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS",
+                                                             "MFSDP_HOTFIX")}
+    env["PYTHONPATH"] = os.pathsep.join([src, paths.rel[c["release"]], REPO] + te_paths(c, env))
+    env["PYTHONUNBUFFERED"] = "1"
+    t0 = time.time()
+    rc, log = _run(argv, env, src, timeout)
+    tests = pytest_outcomes(log)
+    rec = dict(c, argv=argv, rc=rc, proc_s=round(time.time() - t0, 1), tests=tests,
+               cut=rc == "timeout")
+    rec["outcome"] = "ok" if tests and rc != "timeout" else "crash"
+    if rc == "timeout":
+        rec["error"] = f"cut by the time budget after {len(tests)} tests"
+    elif not tests:
+        rec["error"] = last_error(log) or f"exit status {rc}"
+    rec["log_tail"] = log[-5000:]
+    return rec
+
+
+def _run(argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> tuple[Any, str]:
+    """(exit status or "timeout", the output so far)."""
+    try:
+        p = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
+                           timeout=timeout)
+        return p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        parts = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                 for x in (e.stdout, e.stderr)]
+        return "timeout", "".join(parts)
+
+
+PYTEST_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b ?(.*?)"
+                         r"(?:\s+\[\s*\d+%\])?$")
+
+
+def pytest_outcomes(log: str) -> dict[str, str]:
+    """test id -> passed | failed | error | skipped: reason | xfail | xpass, from ``pytest -v``
+    output (a test reported twice, e.g. passed then errored in teardown, keeps the worse)."""
+    out: dict[str, str] = {}
+    for line in log.splitlines():
+        m = PYTEST_LINE.match(line.strip())
+        if not m:
+            continue
+        state = m.group(2).lower()
+        if state == "skipped":
+            state += ": " + m.group(3).strip(" ()")[:200]
+        if out.get(m.group(1), "").split(":")[0] not in ("failed", "error"):
+            out[m.group(1)] = state
+    return out
+
+
+# ------------------------------------------------------------------------- the driver
+def pipelined(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The plan's order, but each configuration's serialized runs go one configuration ahead of
+    its other runs (a run waiting for its truth holds a worker; a cut budget still leaves whole
+    configurations)."""
+    out: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []  # the runs of the configuration whose truths were queued
+    config = None
+    for c in cases:
+        key = c.get("config", c["id"])
+        if key != config:
+            config = key
+            if c.get("serialized"):
+                out += [x for x in cases if x.get("config") == key and x.get("serialized")]
+            out += pending
+            pending = []
+        if not c.get("serialized") or c.get("config") is None:
+            if c.get("config") is None or any(x.get("config") == key and x.get("serialized")
+                                              for x in cases):
+                pending.append(c)
+            else:
+                out.append(c)
+    out += pending
+    assert sorted(x["id"] for x in out) == sorted(x["id"] for x in cases)
+    return out
+
+
+class Driver:
+    def __init__(self, paths: Paths, cycles_per_ms: float, deadline: float, workers: int,
+                 case_timeout: float, unit_timeout: float) -> None:
+        self.paths = paths
+        self.cpm = cycles_per_ms
+        self.deadline = deadline
+        self.workers = workers
+        self.case_timeout = case_timeout
+        self.unit_timeout = unit_timeout
+        self.truths: dict[str, cf.Future] = {}
+        # runs without TE while TE is being built: a few, so that the build keeps its cores
+        self.no_te_slots = threading.BoundedSemaphore(max(1, min(workers, 6)))
+
+    def one(self, c: dict[str, Any]) -> dict[str, Any]:
+        if c["release"] not in self.paths.src:
+            return dict(c, outcome="not run", error="no checkout whose megatron/training "
+                        "matches this release's wheel")
+        if c.get("truth_of") in self.truths:
+            self.truths[c["truth_of"]].result()
+        if c.get("impl", "te") == "te":
+            import engine
+
+            while engine.te_state() == "building" and time.time() < self.deadline - 30:
+                time.sleep(2)
+            if engine.te_state() == "failed":
+                return dict(c, outcome="not run", error="TransformerEngine's setup failed")
+        left = self.deadline - time.time()
+        if left < 30:
+            return dict(c, outcome="not run", error="time budget exhausted")
+        if c["group"] == "unit":
+            return run_unit_tests(c, self.paths, min(self.unit_timeout, left))
+        if c.get("impl") == "local" and self.te_building():
+            with self.no_te_slots:
+                left = self.deadline - time.time()
+                if left < 30:
+                    return dict(c, outcome="not run", error="time budget exhausted")
+                return run_case(c, self.paths, self.cpm, min(self.case_timeout, left))
+        return run_case(c, self.paths, self.cpm, min(self.case_timeout, left))
+
+    @staticmethod
+    def te_building() -> bool:
+        import engine
+
+        return bool(engine.te_state() == "building")
+
+    def run_all(self, cases: list[dict[str, Any]], log=print,
+                progress=None) -> list[dict[str, Any]]:
+        cases = pipelined(cases)
+        truths = {}
+        for c in cases:
+            if c["group"] == "unit":
+                continue
+            key = f"{c['config']}|{truth_variant(c)}"
+            if c["serialized"]:
+                truths[key] = os.path.join(workdir.run_dir(), "cases",
+                                           c["id"].replace("|", "_"), "capture.pt")
+            else:
+                c["truth"], c["truth_of"] = truths.get(key), key
+        out = []
+        with cf.ThreadPoolExecutor(self.workers) as ex:
+            futures = []
+            for c in cases:
+                f = ex.submit(self.one, c)
+                futures.append(f)
+                if c.get("serialized") and c["group"] != "unit":
+                    self.truths[f"{c['config']}|{truth_variant(c)}"] = f
+            for f in cf.as_completed(futures):
+                r = f.result()
+                out.append(r)
+                log(short(r))
+                if progress is not None:
+                    progress(out)
+        order = {c["id"]: i for i, c in enumerate(cases)}
+        return sorted(out, key=lambda r: order[r["id"]])
+
+
+def serialized_pairs(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per configuration, the serialized runs of the hotfix and of the double buffer off against
+    the serialized run as shipped: the hotfix changes no arithmetic of the double buffer, so at
+    ZeRO-2/3 they are bit-identical (where a release defect outside the double buffer is repaired,
+    e.g. ZeRO-1's lost microbatches, the hotfix's run differs from the shipped one)."""
+    import torch
+
+    truth = {(r["config"], r["variant"]): r.get("capture_file") for r in results
+             if r.get("serialized") and r["group"] != "unit"}
+    out = {}
+    for (config, variant), path in sorted(truth.items()):
+        shipped = truth.get((config, "shipped"))
+        if variant == "shipped" or not (path and shipped):
+            continue
+        cmp = comparison.compare(torch.load(path), torch.load(shipped)).to_dict()
+        out[f"{config}|{variant}"] = {k: cmp[k] for k in (
+            "outcome", "rel_l2", "max_abs_diff", "first_bad_step", "differing")}
+    return out
+
+
+def short(r: dict[str, Any]) -> str:
+    cmp = r.get("comparison") or {}
+    extra = f" rel_l2={cmp.get('rel_l2')}" if cmp else ""
+    if r.get("audit"):
+        extra += f" audit={r['audit']}"
+    if r.get("tests"):
+        counts: dict[str, int] = {}
+        for state in r["tests"].values():
+            counts[state.split(":")[0]] = counts.get(state.split(":")[0], 0) + 1
+        extra += f" tests={counts}"
+    err = "" if r.get("outcome") in ("exact", "ok") else f" {str(r.get('error'))[:200]}"
+    return f"{r.get('outcome', '?'):12s} {r['id']}{extra} ({r.get('proc_s', '-')} s){err}"
+
+
+def row(r: dict[str, Any]) -> dict[str, Any]:
+    """One summary row (``ROW_KEYS``) of a run's record."""
+    cmp = r.get("comparison") or {}
+    cap = r.get("capture") or {}
+    pools = cap.get("pool_allocations") or {}
+    grad_pool = sum(v["calls"] for k, v in pools.items() if k.endswith("main_grad_alloc"))
+    unit = r["group"] == "unit"
+    return {"id": r["id"], "group": r["group"], "release": r["release"],
+            "dp": None if unit else r["dp"], "launcher": None if unit else r["launcher"],
+            "zero": None if unit else r["zero"], "dtype": None if unit else r["dtype"],
+            "overlap_grad_reduce": None if unit else r["overlap_grad_reduce"],
+            "overlap_param_gather": None if unit else r["overlap_param_gather"],
+            "recompute": None if unit else r["recompute"], "moe": None if unit else r["moe"],
+            "variant": r["variant"], "delay_ms": None if unit else r["delay_ms"],
+            "serialized": r["serialized"], "outcome": r["outcome"],
+            "rel_l2": cmp.get("rel_l2"), "max_abs": cmp.get("max_abs_diff"),
+            "first_bad_step": cmp.get("first_bad_step"),
+            "iterations": None if unit else cap.get("iterations", 0),
+            "grad_pool_allocations": None if unit or not pools else grad_pool,
+            "audit": r.get("audit"),
+            "error": None if r["outcome"] in ("exact", "ok") else (r.get("error") or "")[:300]}
+
+
+def unit_test_table(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per release: each test's end as shipped and with the hotfix, and the tests that differ."""
+    out: dict[str, Any] = {}
+    for r in results:
+        if r["group"] != "unit" or not r.get("tests"):
+            continue
+        out.setdefault(r["release"], {})[r["variant"]] = r["tests"]
+    for both in out.values():
+        s, h = both.get("shipped") or {}, both.get("hotfix") or {}
+        both["differ"] = sorted(t for t in set(s) | set(h)
+                                if s.get(t, "absent").split(":")[0] != h.get(t, "absent").split(":")[0])
+    return out
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    results = report["results"]
+    return {"gpu": report.get("env", {}).get("gpu"), "torch": report.get("env", {}).get("torch"),
+            "te": report.get("env", {}).get("te"), "checkouts": report.get("checkouts"),
+            "iterations": ITERS, "microbatches": MICROBATCHES, "size": SIZE,
+            "rows": [row(r) for r in results], "unit_tests": unit_test_table(results),
+            "serialized_vs_shipped": report.get("serialized_vs_shipped")}
+
+
+def cell(r: dict[str, Any]) -> str:
+    """One run's outcome as a table cell."""
+    o = r["outcome"]
+    if o == "wrong":
+        return f"wrong (rel. L2 {r['rel_l2']:.2g})" if r["rel_l2"] is not None else "wrong"
+    if o in ("crash", "unsupported", "not run"):
+        why = (r.get("error") or "").split("\n")[0].replace("|", "/")[:80]
+        return f"{o}: {why}" if why else o
+    return o
+
+
+def report_tables(doc: dict[str, Any]) -> str:
+    """Markdown tables of a summary (``--report``): DP=2 runs (one row per configuration and
+    variant: its serialized run and each delay, each against the serialized run), the DP=1 and
+    audit routes, and the unit tests."""
+    rows = doc["rows"]
+    out = ["| release | layers | ZeRO | dtype | also | variant | serialized | 0 ms | 20 ms |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    seen: dict[tuple, dict[str, str]] = {}
+    for r in rows:
+        if r["group"] == "unit" or r["dp"] != 2 or r["variant"] in AUDITS:
+            continue
+        also = ", ".join(x for x, on in (("recompute", r["recompute"]), ("MoE", r["moe"]),
+                                         ("no overlap", not r["overlap_grad_reduce"])) if on)
+        layers = "local" if "|local|" in r["id"] else "TE"
+        key = (r["release"], layers, r["zero"], r["dtype"], also or "–", r["variant"])
+        col = "serialized" if r["serialized"] else f"{r['delay_ms']:g} ms"
+        seen.setdefault(key, {})[col] = cell(r)
+    for key, cols in seen.items():
+        out.append("| " + " | ".join(str(k) for k in key) + " | " + " | ".join(
+            cols.get(c, "–") for c in ("serialized", "0 ms", "20 ms")) + " |")
+    out += ["", "| release | layers | world size | route | variant | delay ms | outcome | "
+            "gradient-pool allocations | audit verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["group"] == "unit" or (r["dp"] == 2 and r["variant"] not in AUDITS):
+            continue
+        route = "torchrun, NCCL" if r["launcher"] == "torchrun" else "--fake-process-group"
+        run = "serialized" if r["serialized"] else f"{r['delay_ms']:g}"
+        pools = "–" if r["grad_pool_allocations"] is None else str(r["grad_pool_allocations"])
+        layers = "local" if "|local|" in r["id"] else "TE"
+        out.append(f"| {r['release']} | {layers} | {r['dp']} | {route} | {r['variant']} | {run} | "
+                   f"{cell(r)} | {pools} | {r['audit'] or '–'} |")
+    pairs = doc.get("serialized_vs_shipped")
+    if isinstance(pairs, dict) and pairs:
+        out += ["", "| configuration | serialized run | against the serialized run as shipped |",
+                "|---|---|---|"]
+        for key, p in pairs.items():
+            config, variant = key.rsplit("|", 1)
+            rel = "" if p["rel_l2"] is None or p["outcome"] == "exact" else \
+                f" (rel. L2 {p['rel_l2']:.2g})"
+            out.append(f"| {config} | {variant} | {p['outcome']}{rel} |")
+    units = doc.get("unit_tests") or {}
+    if units:
+        out += ["", "| release | test | as shipped | with the hotfix |", "|---|---|---|---|"]
+        for rel, both in units.items():
+            shipped, hotfix = both.get("shipped") or {}, both.get("hotfix") or {}
+            for test in sorted(set(shipped) | set(hotfix)):
+                out.append(f"| {rel} | {test.split('::')[-1]} | "
+                           f"{shipped.get(test, '–').split(':')[0]} | "
+                           f"{hotfix.get(test, '–').split(':')[0]} |")
+    return "\n".join(out)
+
+
+def env_info() -> dict[str, Any]:
+    code = ("import json,torch\nout={'torch':torch.__version__,'gpu':torch.cuda.get_device_name(0)}\n"
+            "try:\n import transformer_engine as te; out['te']=te.__version__\n"
+            "except Exception as e: out['te']='absent: '+repr(e)[:200]\nprint(json.dumps(out))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except Exception:
+        return {"error": (r.stdout + r.stderr)[-1500:]}
+
+
+def driver_main(a: argparse.Namespace) -> None:
+    t0 = time.time()
+    import run_matrix
+
+    rel_dirs = {k: v for k, v in run_matrix.unpack_releases(a.wheels).items() if k in a.releases}
+    checkouts = dict(parse_checkouts(a.megatron_lm, a.releases))
+    os.makedirs(os.path.join(workdir.run_dir(), "cases"))
+    src, checks = stage_sources(checkouts, rel_dirs)
+    report: dict[str, Any] = {"argv": sys.argv, "releases": rel_dirs, "checkouts": checks,
+                              "t_start": t0}
+    report["env"] = env_info()
+    report["calibration"] = run_matrix.calibrate()
+    cases = [c for c in plan(a.releases, a.groups) if not a.only or re.search(a.only, c["id"])]
+    drv = Driver(Paths(rel_dirs, src), report["calibration"]["cycles_per_ms"], t0 + a.budget_s,
+                 a.workers, a.case_timeout, a.unit_timeout)
+    report["results"] = []
+
+    def progress(done: list[dict[str, Any]]) -> None:  # a run cut short keeps what it had
+        report["results"] = done
+        report["wall_s"] = round(time.time() - t0, 1)
+        write(a.out, report)
+
+    report["results"] = drv.run_all(cases, progress=progress)
+    try:
+        report["serialized_vs_shipped"] = serialized_pairs(report["results"])
+    except Exception as e:  # the runs are the record; this is a reading of them
+        report["serialized_vs_shipped"] = f"{type(e).__name__}: {e}"
+    report["wall_s"] = round(time.time() - t0, 1)
+    write(a.out, report)
+    write(a.out.replace(".json", "-summary.json"), summary(report))
+    print(f"wrote {a.out} ({report['wall_s']} s)")
+
+
+def write(path: str, doc: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wt") as f:
+        json.dump(doc, f, indent=1, default=str)
+
+
+def parse_checkouts(items: list[str], releases) -> list[tuple[str, str]]:
+    """``RELEASE=DIR`` pairs; a bare ``DIR`` stands for every release (each is checked)."""
+    out = []
+    for item in items:
+        rel, sep, folder = item.partition("=")
+        if sep:
+            if rel not in RELEASES:
+                raise SystemExit(f"--megatron-lm {item}: unknown release {rel!r} "
+                                 f"(known: {', '.join(RELEASES)})")
+            out.append((rel, folder))
+        else:
+            out.extend((r, item) for r in releases)
+    return out
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="")
+    p.add_argument("--dry", action="store_true", help="print the plan (id and command line)")
+    p.add_argument("--summary", metavar="JSON", help="print the summary of a raw record")
+    p.add_argument("--report", metavar="JSON", help="print the markdown tables of a summary")
+    p.add_argument("--megatron-lm", action="append", default=[], metavar="[RELEASE=]DIR")
+    p.add_argument("--releases", default=",".join(RELEASES))
+    p.add_argument("--groups", default=",".join(GROUPS))
+    p.add_argument("--only", default="", help="regular expression on the case ids")
+    p.add_argument("--wheels", default=os.path.join(HERE, "wheels"))
+    p.add_argument("--workers", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=520.0)
+    p.add_argument("--case-timeout", type=float, default=240.0)
+    p.add_argument("--unit-timeout", type=float, default=300.0)
+    a = p.parse_args(argv)
+    a.releases = tuple(r for r in a.releases.split(",") if r)
+    a.groups = tuple(g for g in a.groups.split(",") if g)
+    return a
+
+
+if __name__ == "__main__":
+    args = parse()
+    if args.dry:
+        for planned in plan(args.releases, args.groups):
+            line = "" if planned["group"] == "unit" else " ".join(pretrain_args(planned))
+            print(planned["id"], line)
+    elif args.summary:
+        opener = gzip.open if args.summary.endswith(".gz") else open
+        with opener(args.summary, "rt") as f:
+            print(json.dumps(summary(json.load(f)), indent=1))
+    elif args.report:
+        with open(args.report) as f:
+            print(report_tables(json.load(f)))
+    elif not args.out:
+        sys.exit("--out is required")
+    else:
+        driver_main(args)
