@@ -4,9 +4,10 @@ accumulation (TransformerEngine's contract, emulated in PyTorch by ``mfsdp_hotfi
 so that no TransformerEngine is needed). Run it as is, then adapt it::
 
     torchrun --nproc-per-node 2 examples/train_fsdp.py
-    mfsdp-hotfix audit --out audit/run1 -- torchrun --nproc-per-node 2 examples/train_fsdp.py
-    MFSDP_HOTFIX=0 mfsdp-hotfix audit --out audit/shipped -- torchrun --nproc-per-node 2 \
-        examples/train_fsdp.py
+    mfsdp-hotfix audit --out /tmp/mfsdp-example/run1 -- \
+        torchrun --nproc-per-node 2 examples/train_fsdp.py
+    MFSDP_HOTFIX=0 mfsdp-hotfix audit --out /tmp/mfsdp-example/shipped -- \
+        torchrun --nproc-per-node 2 examples/train_fsdp.py
 
 Where CUDA is available it trains on one GPU per rank over NCCL; elsewhere on the CPU over gloo,
 with the selftest's ``torch.cuda`` stand-in (Megatron-FSDP calls CUDA streams and events; the

@@ -2,21 +2,35 @@
 
 Importing this package arms the fix (unless ``MFSDP_HOTFIX=0``): as soon as Megatron is imported,
 post-import hooks patch every copy of Megatron-FSDP, the standalone ``megatron_fsdp`` and the one
-vendored in megatron-core. The import itself is cheap and imports neither torch nor megatron.
+vendored in megatron-core. The import itself is cheap: it imports neither torch nor megatron,
+nor any module the interpreter has not loaded at start (``bootstrap`` runs it in every process).
 """
 
-from __future__ import annotations
-
 from . import trigger
-from .__about__ import __version__
-from .errors import HotfixRefused, UnsupportedConfiguration
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs more to import than this whole package
     from typing import Any
 
+    from .__about__ import __version__
+    from .errors import HotfixRefused, UnsupportedConfiguration
+
 __all__ = ["HotfixRefused", "UnsupportedConfiguration", "__version__", "apply_to", "install",
            "status", "summary", "uninstall"]
+
+
+def __getattr__(name: str) -> "Any":
+    """``__version__`` and the errors, loaded when first asked for: the ``.pth`` imports this
+    package in every process, and each module file costs that process's start-up time."""
+    if name == "__version__":
+        from .__about__ import __version__
+
+        return __version__
+    if name in ("HotfixRefused", "UnsupportedConfiguration"):
+        from . import errors
+
+        return getattr(errors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def install(strict: bool | None = None) -> bool:
@@ -35,7 +49,7 @@ def uninstall() -> bool:
     return installer.uninstall()
 
 
-def status() -> dict[str, Any]:
+def status() -> "dict[str, Any]":
     """What is armed, applied and would apply, and why, as plain data (see ``reporting``)."""
     from . import reporting
 
@@ -49,7 +63,7 @@ def summary() -> str:
     return installer.summary()
 
 
-def apply_to(model: Any) -> int:
+def apply_to(model: "Any") -> int:
     """Guard the getters of a model built before the hotfix was installed."""
     from . import installer
 

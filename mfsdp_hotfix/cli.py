@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import site
 import sys
-from pathlib import Path
 from typing import Any
 
-from . import bootstrap, reporting, settings, status, tree
+from . import bootstrap, reporting, settings, status, tree, variables
 from .__about__ import __version__
 from .selftest.gpu_spec import LAYERS as GPU_LAYERS
 from .selftest.protocol import DEFAULT as DEFAULT_PROTOCOL
@@ -25,8 +25,10 @@ from .selftest.protocol import PROTOCOLS
 USAGE_ERROR = 2
 # Exit codes of ``status --check``.
 CHECK_OK, CHECK_UNFIXED = 0, 1
-# Exit codes of ``selftest``: PASS, FAIL, and cannot run here (no torch; --gpu: no CUDA GPU).
+# Exit codes of ``selftest``: PASS, FAIL (a fix failed), and CANNOT RUN here (no torch, no
+# numpy; --gpu: no CUDA GPU), a word of its own so that a grep for FAIL counts broken fixes only.
 SELFTEST_PASS, SELFTEST_FAIL, SELFTEST_CANNOT_RUN = 0, 1, 2
+CANNOT_RUN = "CANNOT RUN"
 
 GPU_ONLY = ("gpus", "layer", "delay_ms", "zero", "dtype", "timeout")
 # A reader that closed the pipe early (``mfsdp-hotfix status | head -1``): the shell's status
@@ -73,11 +75,14 @@ def _main(argv: list[str] | None) -> int:
                         help="print the version and exit")
     commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     show = commands.add_parser(
-        "status", help="what is installed, detected and (would be) fixed",
-        description="For a new Python process of this environment: whether the hotfix is "
-                    "loaded and how, every Megatron-FSDP copy found, which fixes would apply "
-                    "and why. Needs no torch.")
+        "status", help="affected? protected? then each copy found and its fixes",
+        description="For a new Python process of this environment: first one line, whether a "
+                    "Megatron-FSDP copy is affected and whether it is protected (or what to "
+                    "use instead), then one line per copy found and how the hotfix is loaded. "
+                    "Warnings go to stderr. Needs no torch.")
     show.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    show.add_argument("--verbose", action="store_true",
+                      help="also each copy's code shapes, fix reasons and release defects")
     show.add_argument("--check", action="store_true",
                       help=f"exit {CHECK_UNFIXED} if an affected copy would be left unfixed")
     show.add_argument("--path", metavar="DIR",
@@ -90,7 +95,8 @@ def _main(argv: list[str] | None) -> int:
         description="Train a small model with this environment's torch and Megatron-FSDP on CPU "
                     "(2 gloo ranks, fused wgrad, fsdp_double_buffer=True), once with "
                     "MFSDP_HOTFIX=0 and once with the hotfix; installs nothing. The last line "
-                    "is 'selftest: PASS: ...' (exit 0) or 'selftest: FAIL: ...' (exit 1).")
+                    "is 'selftest: PASS: ...' (exit 0), 'selftest: FAIL: ...' (exit 1: a fix "
+                    "failed) or 'selftest: CANNOT RUN: ...' (exit 2: no torch or numpy here).")
     test.add_argument("--path", help="folder put first on sys.path of the test processes, "
                                      "e.g. an unpacked release (default: as installed)")
     test.add_argument("--flavour", choices=["auto", "standalone", "core"], default="auto",
@@ -99,7 +105,7 @@ def _main(argv: list[str] | None) -> int:
                            "core's when importable, else megatron_fsdp; default)")
     test.add_argument("--json", action="store_true",
                       help="print the results as one JSON object on stdout (progress, table "
-                           "and the PASS/FAIL line go to stderr)")
+                           "and the verdict line go to stderr)")
     test.add_argument("--protocol", choices=list(PROTOCOLS), default=DEFAULT_PROTOCOL,
                       help="how the 2 microbatches of each step are driven: 'megatron-lm' "
                            "(no_sync() around every microbatch but the last, as Megatron-LM and "
@@ -148,11 +154,12 @@ def _main(argv: list[str] | None) -> int:
         description="Run COMMAND (e.g. torchrun ... train.py) like 'mfsdp-hotfix run', with "
                     "MFSDP_HOTFIX_AUDIT=PATH: every rank writes PATH.rank<N>.json. Then print a "
                     "summary of them; the last line is 'audit: <VERDICT>: ...' (UNORDERED, "
-                    "CRASH, UNWATCHED, INCOMPLETE, NOT CHECKED, ordered or NO DATA). Exit "
-                    "status: the command's when it failed; else 0 only for ordered, 3 for "
-                    "UNORDERED or CRASH, 4 when nothing or not everything was checked; 2 when "
-                    "nothing was run (bad --out, or rank files of an earlier run there without "
-                    "--overwrite).")
+                    "CRASH, UNWATCHED, INCOMPLETE, NOT CHECKED, ordered, UNWRITABLE or NO "
+                    "DATA). Exit status: 3 for a finding (UNORDERED, CRASH) whatever the "
+                    "command's status; else the command's when it failed; else 0 only for "
+                    "ordered, 4 when nothing or not everything was checked; 2 when nothing was "
+                    "run (an --out where no file can be created, or rank files of an earlier "
+                    "run there without --overwrite).")
     audit.add_argument("--out", required=True, metavar="PATH",
                        help="path prefix of the rank files (PATH.rank<N>.json); a missing "
                             "folder is created (and said so)")
@@ -183,7 +190,7 @@ def _main(argv: list[str] | None) -> int:
         print((commands.choices[args.topic] if args.topic else parser).format_help(), end="")
         return 0
     if args.command == "status":
-        return _status(args.json, args.check, args.path)
+        return _status(args.json, args.check, args.path, args.verbose)
     if args.command == "selftest":
         _note_audit_not_passed_on(args.json)
         if args.gpu:
@@ -205,10 +212,9 @@ def report() -> dict[str, Any]:
     """``status()`` as a *new* process of this environment would see it: whether it loads the
     hotfix at interpreter start, and what would apply once it imports Megatron-FSDP."""
     data = status()
-    pth = [str(Path(d) / bootstrap.PTH_FILE.name) for d in _site_dirs()
-           if (Path(d) / bootstrap.PTH_FILE.name).is_file()]
-    on_path = str(bootstrap.SITECUSTOMIZE_DIR) in os.environ.get("PYTHONPATH", "").split(
-        os.pathsep)
+    pth = [os.path.join(d, bootstrap.PTH_NAME) for d in _site_dirs()
+           if os.path.isfile(os.path.join(d, bootstrap.PTH_NAME))]
+    on_path = bootstrap.SITECUSTOMIZE_DIR in os.environ.get("PYTHONPATH", "").split(os.pathsep)
     opted_out = os.environ.get(settings.BOOTSTRAP, "").strip().lower() in {"0", "off", "false",
                                                                            "no"}
     loaded_via = ("sitecustomize" if on_path else "pth" if pth and not opted_out else None)
@@ -222,6 +228,7 @@ def report() -> dict[str, Any]:
                          "variables": {name: os.environ.get(name)
                                        for name in settings.ALL_VARIABLES}}
     data["unfixed"] = _unfixed(data)
+    data["verdict"] = reporting.verdict(data, data["hotfix"])
     return data
 
 
@@ -238,46 +245,85 @@ def _unfixed(data: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _status(as_json: bool, check: bool, path: str | None) -> int:
+def _status(as_json: bool, check: bool, path: str | None, verbose: bool) -> int:
     if path is not None:
-        return _folder_status(path, as_json, check)
+        return _folder_status(path, as_json, check, verbose)
     data = report()
+    _warn(data["settings"]["problems"])
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
     else:
-        print(_format(data))
+        print(_format(data, verbose))
     return CHECK_UNFIXED if check and data["unfixed"] else CHECK_OK
 
 
-def _format(data: dict[str, Any]) -> str:
+def _warn(problems: list[str]) -> None:
+    """The settings' warnings on stderr, but those the bootstrap of this process wrote already
+    (a misspelt name, told at interpreter start)."""
+    for problem in problems:
+        if not variables.told(problem):
+            print(f"mfsdp-hotfix status: warning: {problem}", file=sys.stderr)
+
+
+def _format(data: dict[str, Any], verbose: bool) -> str:
     boot = data["bootstrap"]
     how = {"pth": "at interpreter start by " + ", ".join(boot["pth_files"]),
            "sitecustomize": "at interpreter start by the sitecustomize on PYTHONPATH"}
-    lines = [f"mfsdp-hotfix {data['mfsdp_hotfix']}, in {data['scope']}:",
-             f"  hotfix: {data['hotfix']}"
-             + (f" {how[data['loaded_via']]}" if data["loaded_via"] else "")
-             + f": {data['hotfix_meaning']}"]
+    lines = [data["verdict"]["line"]]
+    lines += _copies_lines(data, verbose)
+    for fix, why in data["failures"].items():
+        lines.append(f"  FAILED {fix}: {why}")
+    armed = data["hotfix"] == "armed"
+    lines.append(f"mfsdp-hotfix {data['mfsdp_hotfix']}, in {data['scope']}: the hotfix is "
+                 f"{data['hotfix']}" + (f" {how[data['loaded_via']]}" if armed else "")
+                 + (f": {data['hotfix_meaning']}" if verbose or not armed else ""))
     disabled = ", ".join(data["settings"]["disabled_fixes"])
     if disabled:
         lines.append(f"  {settings.DISABLED_FIXES}: {disabled}")
-    lines += [f"  warning: {p}" for p in data["settings"]["problems"]]
-    if not data["copies"]:
-        lines.append("  no Megatron-FSDP copy found on sys.path")
-    else:
-        lines.append(f"Megatron-FSDP copies ({reporting.SHAPE_MEANING}):")
-    for copy in data["copies"]:
-        lines += _copy_lines(copy)
-    lines += _v2_lines(data["v2_copies"])
-    for fix, why in data["failures"].items():
-        lines.append(f"  FAILED {fix}: {why}")
-    if data["unfixed"]:
-        lines.append("Left unfixed:")
-        lines += [f"  {p}" for p in data["unfixed"]]
+    lines += _tail(data, verbose)
     return "\n".join(lines)
 
 
+def _copies_lines(data: dict[str, Any], verbose: bool) -> list[str]:
+    """One short line per copy, or (``verbose``) each copy's shapes, notes, fixes and defects."""
+    lines = []
+    if verbose and data["copies"]:
+        lines.append(f"Megatron-FSDP copies ({reporting.SHAPE_MEANING}):")
+    for copy in data["copies"]:
+        lines += _copy_lines(copy) if verbose else [_copy_line(copy)]
+        if verbose:
+            lines += [f"    {name} states {version} (not used as the label)"
+                      for name, version in copy.get("package_info", {}).items()]
+    lines += _v2_lines(data["v2_copies"], verbose)
+    return lines
+
+
+def _tail(data: dict[str, Any], verbose: bool) -> list[str]:
+    if verbose:
+        return (["Left unfixed:"] + [f"  {p}" for p in data["unfixed"]]) if data["unfixed"] \
+            else []
+    return ["(--verbose: each copy's code shapes, fixes and release defects; --json: "
+            "everything)"] if data["copies"] else []
+
+
+def _copy_line(copy: dict[str, Any]) -> str:
+    """``- megatron-fsdp 0.6.1 (era C): ordered-drain, zero1-accumulate would apply; at PATH``."""
+    if copy["refused"]:
+        return (f"- {copy['copy']} {copy['version'] or '(no version metadata)'}: REFUSED: "
+                f"{copy['reason']}; at {copy['path']}")
+    by_state: dict[str, list[str]] = {}
+    for fix, state in copy["fixes"].items():
+        if state["state"] != "not needed":
+            by_state.setdefault(state["state"], []).append(fix)
+    fixes = "; ".join(f"{', '.join(names)} {state}" for state, names in by_state.items())
+    notes = len(copy["notes"])
+    return (f"- {reporting.name(copy)}: {fixes or 'needs none of the fixes'}"
+            + (f" ({notes} note{'s' if notes > 1 else ''}: --verbose)" if notes else "")
+            + f"; at {copy['path']}")
+
+
 def _copy_lines(copy: dict[str, Any]) -> list[str]:
-    """One copy's verdict, shapes, notes and fixes, as ``status`` prints them."""
+    """One copy's verdict, shapes, notes and fixes, as ``status --verbose`` prints them."""
     lines = [f"- {copy['copy']} {copy['version'] or '(no version metadata)'}: "
              + (f"REFUSED: {copy['reason']}" if copy["refused"] else
                 f"era {copy['era']}, {copy['defect']}"),
@@ -285,7 +331,7 @@ def _copy_lines(copy: dict[str, Any]) -> list[str]:
     if copy["without_hotfix"]:
         lines.append(f"    without the hotfix: {copy['without_hotfix']}")
     for name, found in copy["functions"].items():
-        lines.append(f"    {_shape_line(name, found, copy['fingerprints'].get(name))}")
+        lines.append(f"    {_shape_line(name, found, copy['fingerprints'].get(name), copy)}")
     if copy.get("pool_size_text"):
         lines.append(f"    gradient pool slots (N): {copy['pool_size_text']}")
     for note in copy["notes"]:
@@ -294,8 +340,8 @@ def _copy_lines(copy: dict[str, Any]) -> list[str]:
         lines.append(f"    {fix}: {state['state']} ({state['reason']})")
     for defect in copy.get("release_defects", []):
         lines += [f"    release defect {defect['name']}: "
-                  + ("repaired by " if defect["repaired"] else "NOT repaired, ")
-                  + f"{defect['fix']} {defect['fix_state']}",
+                  + ("repaired" if defect["repaired"] else "NOT repaired")
+                  + f" ({defect['fix']}: {defect['fix_state']})",
                   f"      when: {defect['configuration']}",
                   f"      symptom: {defect['symptom']}",
                   "      without the fix: " + "; or ".join(defect["workarounds"]),
@@ -304,14 +350,16 @@ def _copy_lines(copy: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _v2_lines(v2_copies: list[dict[str, Any]]) -> list[str]:
+def _v2_lines(v2_copies: list[dict[str, Any]], verbose: bool) -> list[str]:
     return [f"- {v2['copy']} {v2['version'] or '(no version metadata)'}"
             + (" (imported)" if v2["imported"] else "")
-            + f": the hotfix does {v2['hotfix']} here: {v2['reason']}\n    path: {v2['path']}"
+            + f": the hotfix does {v2['hotfix']} here"
+            + (f": {v2['reason']}\n    path: {v2['path']}" if verbose else
+               f" (--verbose: why); at {v2['path']}")
             for v2 in v2_copies]
 
 
-def _folder_status(path: str, as_json: bool, check: bool) -> int:
+def _folder_status(path: str, as_json: bool, check: bool, verbose: bool) -> int:
     """``status --path DIR``: every copy in DIR, judged from its source."""
     try:
         data = tree.judge(path)
@@ -320,37 +368,42 @@ def _folder_status(path: str, as_json: bool, check: bool) -> int:
             print(json.dumps({"path": path, "error": str(exc), "copies": [], "v2_copies": []}))
         print(f"mfsdp-hotfix status --path: {exc}", file=sys.stderr)
         return exc.exit_status
+    _warn(data["settings"]["problems"])
     data["unfixed"] = _unfixed(data)
+    data["verdict"] = reporting.verdict(data, None)
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return CHECK_UNFIXED if check and data["unfixed"] else CHECK_OK
-    lines = [f"mfsdp-hotfix {data['mfsdp_hotfix']}, for {data['scope']}:"]
-    lines += [f"  warning: {p}" for p in data["settings"]["problems"]]
-    if data["copies"]:
-        lines.append(f"Megatron-FSDP copies ({reporting.SHAPE_MEANING}; labels from the "
-                     "dist-info beside each copy only):")
-    for copy in data["copies"]:
-        lines += _copy_lines(copy)
-        lines += [f"    {name} states {version} (not used as the label)"
-                  for name, version in copy["package_info"].items()]
-    lines += _v2_lines(data["v2_copies"])
-    if data["unfixed"]:
-        lines.append("Left unfixed:")
-        lines += [f"  {p}" for p in data["unfixed"]]
+    lines = [data["verdict"]["line"]]
+    lines += _copies_lines(data, verbose)
+    lines.append(f"mfsdp-hotfix {data['mfsdp_hotfix']}, for {data['scope']}"
+                 + (" (labels from the dist-info beside each copy only)" if verbose else ""))
+    lines += _tail(data, verbose)
     print("\n".join(lines))
     return CHECK_UNFIXED if check and data["unfixed"] else CHECK_OK
 
 
-def _shape_line(qualname: str, found: dict[str, Any], fingerprint: str | None) -> str:
-    """``main_grad_getter: as shipped in 0.17 (megatron-core 0.17.0-0.18.2, ...; unguarded)``."""
+def _shape_line(qualname: str, found: dict[str, Any], fingerprint: str | None,
+                copy: dict[str, Any]) -> str:
+    """``main_grad_getter: as shipped in megatron-fsdp 0.4.0-0.5.1 (and megatron-core
+    0.17.0-0.18.2; unguarded)``: the copy's own distribution first."""
     name = qualname.rsplit(".", 1)[-1]
     if found["shape"] is None:
         return f"{name}: unknown shape (" + (f"fingerprint {fingerprint[:12]})" if fingerprint
                                              else "not found)")
     if found["as_shipped_in"]:
-        return (f"{name}: as shipped in {found['shape']} ({found['as_shipped_in']}; "
-                f"{found['implies']})")
-    return f"{name}: {found['shape']}, recognised by {found['matched_by']} ({found['implies']})"
+        own: list[str] = []
+        other: list[str] = []
+        for part in found["as_shipped_in"].split(", "):
+            (own if part.startswith(f"{copy['distribution']} ") else other).append(part)
+        shipped = ", ".join(own or other)
+        also = ", ".join(other if own else [])
+        return (f"{name}: as shipped in {shipped} ("
+                + (f"and {also}; " if also else "") + f"{found['implies']})")
+    shape = found["shape"]
+    if re.fullmatch(r"\d+\.\d+", shape):  # shapes are named after megatron-core releases
+        shape = f"the code of megatron-core {shape}"
+    return f"{name}: {shape}, recognised by {found['matched_by']} ({found['implies']})"
 
 
 def _note_audit_not_passed_on(as_json: bool) -> None:
@@ -371,7 +424,7 @@ def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool,
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("selftest: FAIL: no torch in this environment. The selftest runs on this "
+        print(f"selftest: {CANNOT_RUN}: no torch in this environment. The selftest runs on this "
               "environment's own torch and Megatron-FSDP and installs nothing; to try it on a "
               "machine without them, use a fresh virtual environment (README, 'Try it').",
               file=sys.stderr)
@@ -379,7 +432,7 @@ def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool,
     try:
         import numpy  # noqa: F401
     except ImportError:
-        print("selftest: FAIL: cannot run: no numpy in this environment. torch.distributed's "
+        print(f"selftest: {CANNOT_RUN}: no numpy in this environment. torch.distributed's "
               "all_gather_object, which Megatron-FSDP calls, needs it on CPU (gloo); "
               "`pip install numpy`, or use a fresh virtual environment (README, 'Try it').",
               file=sys.stderr)
@@ -403,11 +456,11 @@ def _gpu_selftest(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json else sys.stdout
 
     def cannot_run(why: str) -> int:
-        line = (f"selftest: FAIL: cannot run the GPU selftest here: {why}. It needs this "
+        line = (f"selftest: {CANNOT_RUN}: the GPU selftest cannot run here: {why}. It needs this "
                 "environment's torch with CUDA and at least one visible GPU; without a GPU, "
                 "run `mfsdp-hotfix selftest` (CPU)")
         if args.json:
-            print(json.dumps({"verdict": "FAIL", "conclusion": line, "mode": "gpu",
+            print(json.dumps({"verdict": CANNOT_RUN, "conclusion": line, "mode": "gpu",
                               "cannot_run": why}))
         print(line, file=out)
         return SELFTEST_CANNOT_RUN
@@ -476,7 +529,8 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser,
         except KeyboardInterrupt:  # the command got the same signal; let it finish
             continue
     reports, unreadable = audit_report.read_rank_files(path)
-    verdict, lines = audit_report.summarise(reports, path)
+    verdict, lines = audit_report.summarise(reports, path, None if reports or unreadable
+                                            else audit_report.probe(path))
     print(f"mfsdp-hotfix audit: {len(reports)} rank file(s) {path}.rank<N>.json"
           + (f" ({len(earlier)} from an earlier run deleted first: --overwrite)" if earlier
              else ""))
@@ -494,7 +548,10 @@ def _names(files: dict[int, str]) -> str:
 
 
 def _out_problem(out: str, path: str) -> str | None:
-    """Why the rank files ``PATH.rank<N>.json`` cannot go where ``--out`` says (None: fine)."""
+    """Why the rank files ``PATH.rank<N>.json`` cannot go where ``--out`` says (None: fine):
+    probed by creating a file, before anything runs."""
+    from .audit import report as audit_report
+
     prefix = "--out takes a path prefix, the rank files are PATH.rank<N>.json"
     if out.endswith(("/", os.sep)) or os.path.isdir(path):
         return f"is a folder ({prefix}): name a run inside it, e.g. {os.path.join(path, 'run1')}"
@@ -507,9 +564,7 @@ def _out_problem(out: str, path: str) -> str | None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"{parent} is a file, so the folder {folder} for the rank files cannot exist"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"the folder {parent} is not writable"
-    return None
+    return audit_report.probe(path)
 
 
 def _command(command: list[str], parser: argparse.ArgumentParser, verb: str) -> list[str]:
@@ -523,7 +578,7 @@ def _command(command: list[str], parser: argparse.ArgumentParser, verb: str) -> 
 def _bootstrap_path() -> str:
     """PYTHONPATH with the sitecustomize bootstrap first."""
     entries = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
-    return os.pathsep.join([str(bootstrap.SITECUSTOMIZE_DIR)] + entries)
+    return os.pathsep.join([bootstrap.SITECUSTOMIZE_DIR] + entries)
 
 
 def _run(command: list[str], parser: argparse.ArgumentParser) -> int:

@@ -57,10 +57,23 @@ LIMITS = (
           "data)",
           "set fsdp_double_buffer=False, or upgrade to megatron-core >= 0.16.0 / "
           "megatron-fsdp >= 0.3.0"),
+    Limit(registry.ZERO1_ACCUMULATE.id,
+          "ZeRO-1 (optim)",
+          lambda config: config.data_parallel_sharding_strategy == "optim",
+          registry.ZERO1_FUSED_WGRAD_OVERWRITE.symptom
+          + ", with fused wgrad accumulation and 2 or more microbatches per step",
+          " or ".join(registry.ZERO1_FUSED_WGRAD_OVERWRITE.workarounds)),
+    Limit(registry.REDUCE_ONCE.id,
+          "ZeRO-1 (optim) or no_shard with overlap_grad_reduce=False",
+          lambda config: (config.data_parallel_sharding_strategy in ("no_shard", "optim")
+                          and not config.overlap_grad_reduce),
+          registry.UNSHARDED_GRADS_REDUCED_TWICE.symptom,
+          " or ".join(registry.UNSHARDED_GRADS_REDUCED_TWICE.workarounds)),
 )
 
 # Fix states that leave a configuration failing, and whether building a model in it is refused.
-_UNCOVERED = {"unverified": True, "failed": True, "disabled": False, "off": False}
+_UNCOVERED = {"unverified": True, "failed": True, "disabled": False, "off": False,
+              "refused": False}
 
 
 def limits(found: Detection, fixes: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:

@@ -89,8 +89,11 @@ class Detection:
 def detect_module(copy: Copy, buffer_module: ModuleType) -> Detection:
     """Classify ``copy`` from its imported ``param_and_grad_buffer`` module; never raises."""
     buffer_file = Path(getattr(buffer_module, "__file__", "") or "?")
-    sources, problems = _sources(lambda qualname: fingerprints.source_of(
-        _resolve(buffer_module, qualname)))
+    def source(qualname: str) -> str:
+        return fingerprints.source_of(_resolve(buffer_module, qualname))
+
+    sources, problems = _sources(source)
+    sources.update(_reduction_sources(source))
     sources.update(_gate_sources(buffer_file))
     found = _classify(copy, str(buffer_file.parent), sources, problems)
     return _with_pool_size(found, lambda: fingerprints.source_of(
@@ -105,6 +108,7 @@ def detect_file(copy: Copy, buffer_file: Path, installed: bool = True) -> Detect
     except fingerprints.SourceUnavailable as exc:
         return _classify(copy, str(buffer_file.parent), {}, [str(exc)], installed)
     sources, problems = _sources(tree.source)
+    sources.update(_reduction_sources(tree.source))
     sources.update(_gate_sources(buffer_file))
     found = _classify(copy, str(buffer_file.parent), sources, problems, installed)
     return _with_pool_size(found, lambda: tree.source(registry.POOL_BUILDER))
@@ -166,9 +170,9 @@ def _classify(copy: Copy, path: str, sources: dict[str, str | None], problems: l
         what = "; ".join(f"{registry.short_name(name)} (" + _fingerprint_or_missing(prints[name])
                          + ")" for name in unknown)
         return verdict(None, f"unrecognised code shape in {what}, which the fixes replace or "
-                       "rely on: a fork, a backport or a newer release. Nothing was patched; "
-                       "report the fingerprints from `mfsdp-hotfix status --json` to the "
-                       "mfsdp-hotfix maintainers, or upgrade mfsdp-hotfix")
+                       "rely on: a fork, a backport or a newer release. The double-buffer "
+                       "fixes are not applied; report the fingerprints from `mfsdp-hotfix "
+                       "status --json` to the mfsdp-hotfix maintainers, or upgrade mfsdp-hotfix")
     known = {name: shape for name, shape in shapes.items()
              if shape is not None and name in registry.FUNCTIONS}
     era = registry.era_of(known[registry.GETTER], known[registry.DRAIN])
@@ -241,6 +245,18 @@ def _sources(source: Callable[[str], str]) -> tuple[dict[str, str | None], list[
             sources[qualname] = None
             problems.append(str(exc))
     return sources, problems
+
+
+def _reduction_sources(source: Callable[[str], str]) -> dict[str, str | None]:
+    """The synchronous reductions' sources (:data:`registry.SYNCHRONOUS_REDUCTIONS`), None where
+    absent or unreadable: like a gate, they decide a fix's need, never the copy's refusal."""
+    sources: dict[str, str | None] = {}
+    for qualname in registry.SYNCHRONOUS_REDUCTIONS.values():
+        try:
+            sources[qualname] = source(qualname)
+        except (AttributeError, KeyError, fingerprints.SourceUnavailable):
+            sources[qualname] = None
+    return sources
 
 
 def _gate_sources(buffer_file: Path) -> dict[str, str | None]:

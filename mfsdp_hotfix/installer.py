@@ -23,7 +23,7 @@ from typing import Any
 
 import wrapt
 
-from . import coverage, crossrank, detection, incidents, registry
+from . import coverage, crossrank, detection, incidents, registry, variables
 from . import settings as settings_module
 from .__about__ import __version__
 from .detection import Detection
@@ -38,7 +38,8 @@ log = logging.getLogger("mfsdp_hotfix")
 _FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
                registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module"),
                registry.MISSED_POST_BACKWARD.id: ("missed_post_backward", "model_module"),
-               registry.ZERO1_ACCUMULATE.id: ("zero1_accumulate", "model_module")}
+               registry.ZERO1_ACCUMULATE.id: ("zero1_accumulate", "model_module"),
+               registry.REDUCE_ONCE.id: ("reduce_once", "buffer_module")}
 _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains before it "
                                          "allocates, as NVIDIA/Megatron-LM#5222 and "
                                          "ROCm/Megatron-LM#146 do",
@@ -51,7 +52,12 @@ _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains be
                                                  "unit whose post-backward hook did not run",
                registry.ZERO1_ACCUMULATE.id: "it sets overwrite_main_grad only where gradients "
                                              "are sharded (NVIDIA/Megatron-LM#6357), or not at "
-                                             "all"}
+                                             "all",
+               registry.REDUCE_ONCE.id: "its backward hooks reduce unsharded gradients only "
+                                        "with overlap_grad_reduce (NVIDIA/Megatron-LM#6357), "
+                                        "or its finish_grad_sync reduces none of them without "
+                                        "overlap (the hooks' reduction is their only one)"}
+REFUSED = "refused"
 
 
 @dataclass
@@ -98,7 +104,8 @@ def install(strict: bool | None = None) -> bool:
         if _state.settings is None:
             _state.settings = settings_module.read(known_fixes=registry.FIX_IDS)
             for problem in _state.settings.problems:
-                log.warning("mfsdp_hotfix: %s", problem)
+                if not variables.told(problem):  # the bootstrap wrote it at start already
+                    log.warning("mfsdp_hotfix: %s", problem)
         settings = _state.settings
         if strict is not None and settings.enabled:
             settings = dataclasses.replace(settings, mode="strict" if strict else "on")
@@ -187,7 +194,7 @@ def _handle(module: ModuleType, late: bool) -> None:
     for copy in registry.COPIES:
         if name in (copy.buffer_module, copy.model_module):
             record = _record_for(copy)
-            if record is not None and not record.detection.refused:
+            if record is not None:
                 # The model module imports the buffer module, never the other way round: when
                 # the buffer module's hook runs, the model module may be half-initialised.
                 _apply_fixes(record, copy, "buffer_module")
@@ -207,12 +214,11 @@ def _record_for(copy: Copy) -> CopyRecord | None:
         return None
     record = CopyRecord(detection.detect_module(copy, buffer_module))
     _state.records[copy.package] = record
+    assert _state.settings is not None
+    for fix in registry.FIXES:
+        record.fixes[fix.id] = fix_state(fix, record.detection, _state.settings)
     if record.detection.refused:
-        _refuse(record.detection)
-    else:
-        assert _state.settings is not None
-        for fix in registry.FIXES:
-            record.fixes[fix.id] = fix_state(fix, record.detection, _state.settings)
+        _refuse(record.detection, record.fixes)
     return record
 
 
@@ -229,9 +235,16 @@ def fix_state(fix: Fix, found: Detection, settings: settings_module.Settings
 
 def _fix_state_if_on(fix: Fix, found: Detection, settings: settings_module.Settings
                      ) -> tuple[str, str]:
-    if fix.gate is not None and found.shapes.get(fix.gate) is None:
-        return "unverified", (f"{registry.short_name(fix.gate)} has a code shape this hotfix "
-                              "does not know, so the fix is not applied")
+    unknown = [registry.short_name(name) for name in fix.depends_on
+               if found.shapes.get(name) is None]
+    if unknown:
+        return REFUSED, (f"it rests on {', '.join(unknown)}, whose code shape this hotfix does "
+                         "not know in this copy, so the fix is not applied")
+    strange = [name for name in ((fix.gate,) if fix.gate else ()) + fix.reductions
+               if found.shapes.get(name) is None]
+    if strange:
+        return "unverified", (f"{', '.join(map(registry.short_name, strange))} has a code shape "
+                              "this hotfix does not know, so the fix is not applied")
     if not found.needs(fix):
         return "not needed", _NOT_NEEDED[fix.id]
     if fix.id in settings.disabled_fixes:
@@ -325,15 +338,23 @@ def _model_instances(model: Any) -> list[tuple[CopyRecord, Any]]:
     return found
 
 
-def _refuse(found: Detection) -> None:
+def _refuse(found: Detection, fixes: dict[str, tuple[str, str]] | None = None) -> None:
+    """Log (strict: raise) the refusal of a copy: what is not patched, the workaround for each
+    defect that is left, and the fixes that rest on none of what was refused and still apply."""
+    states = {fix_id: state for fix_id, (state, _) in (fixes or {}).items()}
+    kept = [fix_id for fix_id, state in states.items() if state == WOULD_APPLY]
+    left = [defect for defect in registry.defects_of(states) if states[defect.fix] != WOULD_APPLY]
     message = (f"mfsdp_hotfix: NOT patching {found.copy.label} "
                f"({found.copy.distribution} {found.version or 'version unknown'}) at "
                f"{found.module_path}: {found.reason}. Until this is resolved, run with "
-               "fsdp_double_buffer=False to avoid the double-buffer gradient bugs.")
+               "fsdp_double_buffer=False to avoid the double-buffer gradient bugs (ZeRO-2/3)."
+               + "".join(f" {defect.name} ({defect.configuration}) is not repaired either: "
+                         f"{' or '.join(defect.workarounds)}." for defect in left))
     assert _state.settings is not None
     if _state.settings.strict:
         raise HotfixRefused(message + " (MFSDP_HOTFIX=strict)")
-    log.warning(message)
+    log.warning(message + (f" Still applied: {', '.join(kept)} (they rest on none of that "
+                           "code)." if kept else ""))
 
 
 def summary() -> str:
@@ -344,7 +365,8 @@ def summary() -> str:
         found = record.detection
         applied = ", ".join(record.applied) or "nothing to apply"
         parts.append(f"{found.copy.label} {found.version or '?'} "
-                     + (f"era {found.era.name}: {applied}" if found.era else "REFUSED"))
+                     + (f"era {found.era.name}: {applied}" if found.era else
+                        "REFUSED" + (f" (still applied: {applied})" if record.applied else "")))
     unpatched = imported_unpatched()
     if unpatched:
         settings = _state.settings or settings_module.read(known_fixes=registry.FIX_IDS)

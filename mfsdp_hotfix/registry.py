@@ -61,6 +61,12 @@ HOOKS = "MegatronFSDP._register_fsdp_hooks"
 # overwrites or adds into ``main_grad``.
 OVERWRITE_SETTER = "MegatronFSDP.all_gather_and_wait_parameters_ready"
 GATES = (HOOKS, OVERWRITE_SETTER)
+# In the buffer module: the synchronous reductions ``finish_grad_sync`` runs without
+# ``overlap_grad_reduce``, per unsharded strategy. Read to decide reduce-once's need: where one
+# reduces nothing (its loop skips every buffer), the hooks' reduction is that strategy's only one.
+REDUCE_SCATTER = "ParamAndGradBuffer.reduce_scatter_gradients"
+ALL_REDUCE = "ParamAndGradBuffer.all_reduce_gradients"
+SYNCHRONOUS_REDUCTIONS = {"optim": REDUCE_SCATTER, "no_shard": ALL_REDUCE}
 # Builds the pools; read only to say how many slots the gradient pool has (status).
 POOL_BUILDER = "ParamAndGradBuffer._init_each_parameter_group_buffers"
 # Every release's pools have 2 slots (``UB_BUFFER_NUM = 2``); NVIDIA PR #6316 makes it the
@@ -91,6 +97,7 @@ class Shape:
     live_units: int | str | None = None  # drain: units left live, counting the incoming one
     #                                        (POOL_SIZE: the pool size N, from the config)
     needs: frozenset[str] = frozenset()  # gate: ids of the fixes this shape needs
+    reduces: bool | None = None  # synchronous reduction: reduces every gradient buffer
     note: str = "ordered-drain reuses it"  # what any other shape implies
 
     def implies(self) -> str:
@@ -103,6 +110,9 @@ class Shape:
                 return f"waits on {where}, keeps N units live, N the configured pool size"
             units = "unit" if self.live_units == 1 else "units"
             return f"waits on {where}, keeps {self.live_units} {units} live"
+        if self.reduces is not None:
+            return ("reduces every gradient buffer" if self.reduces else
+                    "skips every gradient buffer: reduces nothing")
         if self.needs:
             return "needs " + ", ".join(sorted(self.needs))
         return self.note
@@ -143,19 +153,27 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
         Shape("0.17", "274b821a5fb1391b53f2cc32f68e06300fb7fafb7429e5a54b1f3134b232653f"),
     ),
     # A unit whose post-backward hook never ran stays PRE_BACKWARD; from 0.16 its next
-    # post-forward releases its parameters lazily, before 0.16 it keeps them gathered.
+    # post-forward releases its parameters lazily, before 0.16 it keeps them gathered. Every
+    # release's hooks also reduce unsharded gradients on the last microbatch whatever
+    # overlap_grad_reduce says (reduce-once); NVIDIA/Megatron-LM#6357 reduces them there only
+    # with overlap.
     HOOKS: (
         Shape("0.14", "165cb11b0521d204ab991b78257547ca679b491978d7c2240c64068e0ffe4ce0",
-              needs=frozenset({"missed-post-backward"})),
-        *(Shape(name, fingerprint, note="a stale unit's parameters are released lazily")
+              needs=frozenset({"missed-post-backward", "reduce-once"})),
+        *(Shape(name, fingerprint, needs=frozenset({"reduce-once"}))
           for name, fingerprint in (
               ("0.16", "819fea0a1dbddaa5c909b026dd6660a873509886698a31a6d71e785aef76e450"),
               ("0.17", "32fe8ef255b44a394c015edfbcaaf81868496e158c1dc3d32e7dbae0c93ef99c"),
               ("0.18", "049be221636061637620cac833fc943cf6c8eedd59bd4b659d60f278751407fb"),
               ("0.19", "fa95ce6cc803e35c9d0b319da2ef2115c31985aa725592638fbe1a6343079c9d"))),
-        # Forks and snapshots of 0.16 and later in their own words (the ROCm fork).
-        Shape("releases stale units lazily", structure="releases_stale_units_lazily",
-              note="a stale unit's parameters are released lazily"),
+        # Forks, snapshots and git trees of 0.16 and later in their own words (the ROCm fork,
+        # NVIDIA main), told apart by what their reduction condition yields (structure.py).
+        Shape("releases stale units lazily, reduces unsharded gradients once",
+              structure="lazy_and_reduces_unsharded_once",
+              note="a stale unit's parameters are released lazily; unsharded gradients are "
+                   "reduced in the hooks only with overlap_grad_reduce"),
+        Shape("releases stale units lazily, reduces unsharded gradients in the hooks always",
+              structure="lazy_and_reduces_unsharded_always", needs=frozenset({"reduce-once"})),
     ),
     # Fused wgrad accumulation overwrites main_grad where the parameter says so. Right with
     # sharded gradients (each microbatch's wgrad lands in a fresh bucket that is reduce-scattered
@@ -179,6 +197,11 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
               note="sets overwrite_main_grad from the parameter's strategy, not always True"),
     ),
 }
+
+SHAPES.update({qualname: (
+    Shape("reduces every buffer", structure="reduces_every_buffer", reduces=True),
+    Shape("skips every buffer", structure="skips_every_buffer", reduces=False))
+    for qualname in SYNCHRONOUS_REDUCTIONS.values()})
 
 # The shapes (getter, drain, wait) each verified release shipped, checked against every wheel by
 # tests/test_detection.py. Only these labels can make a copy a "verified release".
@@ -272,12 +295,15 @@ class Fix:
     """One repair, what it replaces or relies on, and where it stands upstream.
 
     ``depends_on``: functions that must have a known shape for the fix to be applied (or for
-    its need to be decided); an unknown shape there refuses the whole copy.
+    its need to be decided); an unknown shape there refuses the copy, and this fix with it
+    (``refused``), while a fix that depends on none of them still applies.
     ``only_unguarded``: needed only where the getter's shape is unguarded.
     ``only_unordered``: not needed where the getter drains and the drain orders the caller's
     stream with at most pool-size units live (era "none": the change proposed upstream).
-    ``gate``: a model-module function (:data:`GATES`) whose shape alone decides the need (its
+    ``gate``: a model-module function (:data:`GATES`) whose shape decides the need (its
     :attr:`Shape.needs`); an unknown shape there leaves the fix unverified, not the copy refused.
+    ``reductions``: buffer-module functions of which at least one must reduce
+    (:attr:`Shape.reduces`) for the fix to be needed; an unknown shape there: unverified.
     """
 
     id: str
@@ -286,6 +312,7 @@ class Fix:
     only_unguarded: bool
     upstream: str
     gate: str | None = None
+    reductions: tuple[str, ...] = ()
     only_unordered: bool = False  # not needed where the getter and drain form era "none"
 
 
@@ -324,14 +351,27 @@ ZERO1_ACCUMULATE = Fix(
     "megatron-fsdp 0.6.1)",
     gate=OVERWRITE_SETTER,
 )
-# The double buffer's fixes (the eras); ZERO1_ACCUMULATE repairs a release defect outside it.
+REDUCE_ONCE = Fix(
+    "reduce-once",
+    "with unsharded gradients (ZeRO-1 'optim', 'no_shard') and overlap_grad_reduce=False, the "
+    "backward hooks leave the reduction to finish_grad_sync, which reduces the buffer once",
+    (), False,
+    "NVIDIA/Megatron-LM#6357 (on main; not in a release as of megatron-core 0.19.2 / "
+    "megatron-fsdp 0.6.1)",
+    gate=HOOKS, reductions=(REDUCE_SCATTER, ALL_REDUCE),
+)
+# The double buffer's fixes (the eras); the others repair release defects outside it and rest on
+# none of the double buffer's functions, so they apply to a copy refused for those.
 DOUBLE_BUFFER_FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
-FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE)
+FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE, REDUCE_ONCE)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
 
 
 def needed(fix: Fix, shapes: Mapping[str, Shape]) -> bool:
     """Whether a copy with these (known) shapes needs ``fix`` (a gated fix: its gate's shape)."""
+    if fix.reductions and not any(name in shapes and shapes[name].reduces
+                                  for name in fix.reductions):
+        return False
     if fix.gate is not None:
         return fix.gate in shapes and fix.id in shapes[fix.gate].needs
     if fix.only_unordered and era_of(shapes[GETTER], shapes[DRAIN]).name == "none":
@@ -413,7 +453,29 @@ ZERO1_FUSED_WGRAD_OVERWRITE = ReleaseDefect(
     "fuser set overwrite_main_grad = True again in their forward pre-hook. Neither is repaired: "
     "use a workaround there",
 )
-RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE,)
+UNSHARDED_GRADS_REDUCED_TWICE = ReleaseDefect(
+    "unsharded-grads-reduced-twice",
+    REDUCE_ONCE.id,
+    {"megatron-fsdp": "0.3.0-0.6.1", "megatron-core": "0.16.0-0.19.2"},
+    "any copy whose MegatronFSDP._register_fsdp_hooks reduces unsharded gradients on "
+    "is_last_microbatch or model_auto_sync without asking overlap_grad_reduce and whose "
+    "ParamAndGradBuffer.reduce_scatter_gradients or all_reduce_gradients reduces every buffer "
+    "(git installs of NVIDIA main before NVIDIA/Megatron-LM#6357, forks based on those "
+    "releases)",
+    "ZeRO-1 (data_parallel_sharding_strategy='optim'), and from megatron-fsdp 0.5.0 / "
+    "megatron-core 0.18.0 no_shard, with overlap_grad_reduce=False, any number of "
+    "microbatches, fused wgrad accumulation or not (fully_shard users who turn "
+    "overlap_grad_reduce off; Megatron-LM and Megatron-Bridge keep it on wherever they "
+    "accumulate)",
+    "silently wrong gradients: the backward hooks reduce the unsharded buffer on the last "
+    "microbatch and finish_grad_sync reduces it again (ZeRO-1: a second reduce-scatter of the "
+    "already reduced buffer; no_shard: a second all-reduce, harmless with averaging but a factor "
+    "of the data-parallel size with a SUM reduction, calculate_per_token_loss)",
+    ("overlap_grad_reduce=True (the default)",),
+    REDUCE_ONCE.upstream,
+    "nothing: every configuration with the defect is repaired where the fix applies",
+)
+RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE, UNSHARDED_GRADS_REDUCED_TWICE)
 
 
 def defects_of(fixes: Mapping[str, str]) -> list[ReleaseDefect]:

@@ -43,11 +43,24 @@ FIX_STATES = {
     "unverified": "this copy's code around the fix is not a shape the hotfix knows: not "
                   "applied, and building a model in a configuration it covers is refused",
     "off": f"{settings_module.SWITCH}=0",
+    installer.REFUSED: "the copy is refused and this fix rests on code the hotfix does not "
+                       "recognise there: not applied (see the copy's reason for the workaround)",
 }
-SHAPE_MEANING = ("each function is judged by its own code: 'as shipped in 0.17' means its text "
-                 "equals megatron-core 0.17.0's, layout and comments aside (the releases of both "
-                 "distributions that shipped it follow in brackets); 'drains before fetching' "
-                 "means a getter recognised by its structure")
+SHAPE_MEANING = ("each function is judged by its own code: 'as shipped in megatron-fsdp "
+                 "0.4.0-0.5.1' means its text equals those releases', layout and comments aside "
+                 "(the other distribution's releases with the same text follow); 'drains before "
+                 "fetching' means a getter recognised by its structure")
+# A fix's state that protects a job once the hotfix is loaded.
+PROTECTING = ("applied", installer.WOULD_APPLY)
+# Process states (:data:`HOTFIX_STATES`) in which no fix can protect a job, in a few words.
+UNPROTECTING = {"off": f"{settings_module.SWITCH}=0",
+                "not loaded": "nothing loads the hotfix in a new process here (no .pth or "
+                              "sitecustomize bootstrap; `mfsdp-hotfix run` or `import "
+                              "mfsdp_hotfix` does)",
+                "uninstalled": "mfsdp_hotfix.uninstall() restored the originals"}
+# Every fix that repairs no release defect (:data:`registry.RELEASE_DEFECTS`) repairs a defect
+# of the double buffer, which fsdp_double_buffer=False avoids (README, "Who needs it").
+DOUBLE_BUFFER_OFF = "fsdp_double_buffer=False"
 
 
 def status() -> dict[str, Any]:
@@ -62,7 +75,7 @@ def status() -> dict[str, Any]:
         if copy.package not in seen:
             copies.extend(_not_imported(copy, settings))
     state = _hotfix_state(settings, installed, records)
-    return {
+    data = {
         "mfsdp_hotfix": __version__,
         "hotfix": state,
         "hotfix_meaning": HOTFIX_STATES[state],
@@ -74,6 +87,8 @@ def status() -> dict[str, Any]:
         "v2_copies": v2.present(),
         "failures": incidents.failures(),
     }
+    data["verdict"] = verdict(data, state)
+    return data
 
 
 def _hotfix_state(settings: settings_module.Settings, installed: bool,
@@ -120,10 +135,79 @@ def judged_offline(found: detection.Detection, settings: settings_module.Setting
     imported while the hotfix was off): what would apply, and why."""
     fixes: dict[str, dict[str, str]] = {}
     states: dict[str, tuple[str, str]] = {}
-    for fix in [] if found.refused else registry.FIXES:
+    for fix in registry.FIXES:
         state, reason = states[fix.id] = installer.fix_state(fix, found, settings)
         fixes[fix.id] = {"state": state,
                          "reason": fix.summary if state == installer.WOULD_APPLY else reason}
     return {**found.as_dict(), "imported": imported, "fixes": fixes,
             "limits": coverage.limits(found, states), "release_defects": release_defects(states),
             "models_repaired": 0}
+
+
+def verdict(data: dict[str, Any], hotfix: str | None) -> dict[str, Any]:
+    """The answer ``status`` is run for, from ``data``'s copies alone (their fix states, refusals
+    and release defects, whatever fixes and defects the registry holds): is a copy affected,
+    and is every affected one protected? ``hotfix``: the process state (:data:`HOTFIX_STATES`),
+    or None for a folder read from disk (protected there means: repaired where the hotfix is
+    loaded). Returns ``{"affected", "protected", "line"}``."""
+    copies = [copy for copy in data["copies"] if _affected(copy)]
+    if not copies:
+        where = "; ".join(f"{name(copy)} needs none of the fixes" for copy in data["copies"])
+        return {"affected": False, "protected": None,
+                "line": f"not affected: {where or 'no Megatron-FSDP copy found'}"}
+    head = "affected: " + ", ".join(name(copy) for copy in copies)
+    why, remedies = _unprotected(copies, hotfix)
+    if not why:
+        fixes = list(dict.fromkeys(fix for copy in copies for fix, state in copy["fixes"].items()
+                                   if state["state"] in PROTECTING))
+        how = ("repaired where the hotfix is loaded: it applies " if hotfix is None else
+               f"protected: the hotfix is {hotfix} and applies ")
+        return {"affected": True, "protected": True, "line": f"{head} — {how}{', '.join(fixes)}"}
+    return {"affected": True, "protected": False,
+            "line": f"{head} — NOT protected: {why}; {'; '.join(remedies)}"}
+
+
+def _affected(copy: dict[str, Any]) -> bool:
+    return bool(copy["refused"] or copy.get("release_defects") or any(
+        state["state"] != "not needed" for state in copy["fixes"].values()))
+
+
+def name(copy: dict[str, Any]) -> str:
+    """``megatron-fsdp 0.6.1 (era C)``, ``megatron-fsdp (no version metadata, era none)``,
+    ``... (not recognised)`` for a refused copy."""
+    what = "not recognised" if copy["refused"] else f"era {copy['era']}"
+    if copy["version"]:
+        return f"{copy['copy']} {copy['version']} ({what})"
+    return f"{copy['copy']} (no version metadata, {what})"
+
+
+def _unprotected(copies: list[dict[str, Any]], hotfix: str | None) -> tuple[str, list[str]]:
+    """Why the affected ``copies`` are not protected ('' when they are), and what to use
+    instead: fsdp_double_buffer=False for a refused copy or a double-buffer fix that does not
+    protect, and the first workaround of each release defect left unrepaired."""
+    reasons: list[str] = []
+    remedies: list[str] = []
+    for copy in copies:
+        defects = copy.get("release_defects", [])
+        named = f"{name(copy)}: " if len(copies) > 1 else ""
+        if copy["refused"]:
+            reasons.append(f"{named}left as shipped ({copy['reason']})")
+            remedies.append(f"use {DOUBLE_BUFFER_OFF}")
+        gaps = {fix: state["state"] for fix, state in copy["fixes"].items()
+                if state["state"] != "not needed"
+                and (hotfix in UNPROTECTING or state["state"] not in PROTECTING)}
+        by_state: dict[str, list[str]] = {}
+        for fix, state in gaps.items():
+            by_state.setdefault(state, []).append(fix)
+            if fix not in {defect["fix"] for defect in defects}:
+                remedies.append(f"use {DOUBLE_BUFFER_OFF}")
+        remedies += [f"for {defect['name']} use {defect['workarounds'][0]}" for defect in defects
+                     if defect["fix"] in gaps or not defect["repaired"]]
+        if by_state and hotfix not in UNPROTECTING:
+            reasons.append(named + "; ".join(
+                f"{', '.join(fixes)} {state}" for state, fixes in by_state.items()))
+    if hotfix in UNPROTECTING and any(remedies):
+        reasons.insert(0, UNPROTECTING[hotfix])
+    # each once, the one that covers most first
+    remedies = sorted(dict.fromkeys(remedies), key=lambda r: r != f"use {DOUBLE_BUFFER_OFF}")
+    return "; ".join(reasons), remedies

@@ -3,7 +3,7 @@
 Ranks must not diverge mid-run, so the values are read when ``install()`` runs and frozen in a
 ``Settings`` object. Garbage never raises: it produces one warning naming the variable, the
 accepted values and the default that is used instead. A misspelt name would otherwise be ignored
-in silence, so every ``MFSDP_HOTFIX*`` variable this module does not know gets one warning naming
+in silence, so every name close to one of ours (``variables.misspelt``) gets one warning naming
 the closest known one.
 """
 
@@ -13,14 +13,20 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-SWITCH = "MFSDP_HOTFIX"
-DISABLED_FIXES = "MFSDP_HOTFIX_DISABLED_FIXES"
-CROSS_RANK_CHECK = "MFSDP_HOTFIX_CROSS_RANK_CHECK"
-CROSS_RANK_TIMEOUT = "MFSDP_HOTFIX_CROSS_RANK_TIMEOUT"
-BOOTSTRAP = "MFSDP_HOTFIX_BOOTSTRAP"
-AUDIT = "MFSDP_HOTFIX_AUDIT"
+from . import variables
+from .variables import (
+    ALL_VARIABLES,
+    AUDIT,
+    BOOTSTRAP,
+    CROSS_RANK_CHECK,
+    CROSS_RANK_TIMEOUT,
+    DISABLED_FIXES,
+    SWITCH,
+)
 
-ALL_VARIABLES = (SWITCH, DISABLED_FIXES, CROSS_RANK_CHECK, CROSS_RANK_TIMEOUT, BOOTSTRAP, AUDIT)
+__all__ = ["ALL_VARIABLES", "AUDIT", "BOOTSTRAP", "CROSS_RANK_CHECK", "CROSS_RANK_TIMEOUT",
+           "DISABLED_FIXES", "SWITCH", "Settings", "read"]
+
 DEFAULT_CROSS_RANK_TIMEOUT = 60.0
 
 _SWITCH_VALUES = {"": "on", "1": "on", "on": "on", "true": "on", "yes": "on",
@@ -66,8 +72,7 @@ def read(env: Mapping[str, str] | None = None, known_fixes: frozenset[str] = fro
          ) -> Settings:
     """Parse the environment; every problem found is returned in ``Settings.problems``."""
     env = os.environ if env is None else env
-    problems = [_unknown(name) for name in sorted(env)
-                if name.startswith(SWITCH) and name not in ALL_VARIABLES]
+    problems = variables.misspelt(sorted(env))
     mode = _choice(env, SWITCH, _SWITCH_VALUES, "on", problems)
     check = _choice(env, CROSS_RANK_CHECK, _CHECK_VALUES, "error", problems)
     names = {n.strip() for n in env.get(DISABLED_FIXES, "").split(",") if n.strip()}
@@ -80,16 +85,6 @@ def read(env: Mapping[str, str] | None = None, known_fixes: frozenset[str] = fro
     return Settings(mode=mode, disabled_fixes=frozenset(names - set(unknown)),
                     cross_rank_check=check, cross_rank_timeout=_seconds(env, problems),
                     audit_path=env.get(AUDIT, "").strip() or None, problems=tuple(problems))
-
-
-def _unknown(name: str) -> str:
-    import difflib
-
-    # Compared without the common prefix, which would otherwise dominate the similarity.
-    tails = {variable.removeprefix(f"{SWITCH}_"): variable for variable in ALL_VARIABLES}
-    close = difflib.get_close_matches(name.removeprefix(f"{SWITCH}_"), tails, n=1, cutoff=0.5)
-    hint = f"did you mean {tails[close[0]]}?" if close else f"known: {', '.join(ALL_VARIABLES)}"
-    return f"{name} is not a variable mfsdp_hotfix reads ({hint}); it is ignored"
 
 
 def _seconds(env: Mapping[str, str], problems: list[str]) -> float:

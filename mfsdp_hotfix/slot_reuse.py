@@ -166,6 +166,22 @@ class SlotReuse(Generic[M]):
                           if str(exc).strip() else type(exc).__name__}
 
 
+def _observed(exc: BaseException, where: str, marker: str) -> None:
+    """Say under the traceback whose error it is: the observer's frames sit between the
+    caller and the release's code, and a user would otherwise file the release's crash against
+    the hotfix (Python 3.11+ prints ``__notes__``; on 3.10 this is unseen and harmless)."""
+    exc.__notes__ = [*getattr(exc, "__notes__", ()), (
+        f"mfsdp_hotfix: this error was raised by Megatron-FSDP's own {where} (the release's "
+        "code). The frames of mfsdp_hotfix/patching.py and mfsdp_hotfix/slot_reuse.py above are "
+        f"{_OBSERVERS.get(marker, marker)}, which watches the gradient pool, calls that code "
+        "unchanged and passes its errors on.")]
+
+
+# Who observes the pool, by the marker its wrappers carry, in the note above.
+_OBSERVERS = {"audit": "the on-the-job audit (MFSDP_HOTFIX_AUDIT)",
+              "selftest-ordering": "the selftest's ordering check"}
+
+
 def is_grad_pool(pool: Any) -> bool:
     return str(getattr(pool, "name", "")) in registry.GRAD_POOLS
 
@@ -253,6 +269,7 @@ def observe(buffer_module: ModuleType, rule: SlotReuse[Any], marker: str,
                 result = wrapped(*args, **kwargs)
             except AssertionError as exc:
                 guarded(where, rule.crashed, pool, bucket_id, exc)
+                _observed(exc, where, marker)
                 raise
             if had_slot is not None and rule.active:
                 guarded(where, rule.allocated, pool, bucket_id, had_slot)

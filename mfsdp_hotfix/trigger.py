@@ -9,8 +9,6 @@ see every Megatron-FSDP submodule load. The finder never finds anything itself, 
 could make the import skip the next finder.
 """
 
-from __future__ import annotations
-
 import os
 import sys
 
@@ -31,8 +29,8 @@ class _FirstMegatronImport:
 
     armed = False
 
-    def find_spec(self, name: str, path: Sequence[str] | None = None,
-                  target: ModuleType | None = None) -> ModuleSpec | None:
+    def find_spec(self, name: str, path: "Sequence[str] | None" = None,
+                  target: "ModuleType | None" = None) -> "ModuleSpec | None":
         if self.armed and name in TOP_LEVEL and disarm():
             from .installer import install
 

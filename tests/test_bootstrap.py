@@ -87,6 +87,34 @@ def test_pth_bootstrap_imports_no_heavy_module(venv_python: str) -> None:
     assert report(run_python(code, python=venv_python, repo=False)) == []
 
 
+# What the .pth adds to a process's modules: the package's own small modules, nothing of the
+# standard library beyond what ``site`` imported already (pathlib, re and typing cost 20-50 ms of
+# every interpreter start on a loaded machine).
+BOOTSTRAP_MODULES = ["mfsdp_hotfix", "mfsdp_hotfix.bootstrap", "mfsdp_hotfix.trigger",
+                     "mfsdp_hotfix.variables"]
+
+
+def test_the_pth_imports_a_fixed_short_list(venv_python: str) -> None:
+    code = "import sys, json; print('REPORT' + json.dumps(sorted(sys.modules)))"
+    bare = report(run_python(code, python=venv_python, repo=False,
+                             env={"MFSDP_HOTFIX_BOOTSTRAP": "0"}))
+    loaded = report(run_python(code, python=venv_python, repo=False))
+    assert sorted(set(loaded) - set(bare)) == BOOTSTRAP_MODULES
+    assert set(bare) <= set(loaded)
+
+
+def test_a_misspelt_switch_is_told_in_every_process(venv_python: str, fsdp_release) -> None:
+    """``MFSDP_HOTFX=0``: a plain ``python`` says it at start, and a process that imports
+    Megatron-FSDP (the hotfix is installed there, armed) says it once, not twice."""
+    warning = ("mfsdp_hotfix: warning: MFSDP_HOTFX is not a variable mfsdp_hotfix reads (did "
+               "you mean MFSDP_HOTFIX?); it is ignored\n")
+    plain = run_python("pass", python=venv_python, repo=False, env={"MFSDP_HOTFX": "0"})
+    assert (plain.returncode, plain.stderr) == (0, warning)
+    proc = run_python(CHECK, fsdp_release("0.5.1"), python=venv_python, repo=False,
+                      env={"MFSDP_HOTFX": "0"})
+    assert report(proc)["patched"] is True and proc.stderr.count("MFSDP_HOTFX") == 1, proc.stderr
+
+
 def _user_sitecustomize(root: Path, package: bool) -> Path:
     target = root / ("sitecustomize" if package else "")
     target.mkdir(parents=True, exist_ok=True)

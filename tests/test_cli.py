@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 from conftest import run_python
 
+from mfsdp_hotfix import bootstrap
+
+# First on PYTHONPATH: a new process here loads the hotfix (the sitecustomize route), whether or
+# not this test environment has the package's .pth installed.
+ARMED = bootstrap.SITECUSTOMIZE_DIR
 # torch made unimportable: status must not need it.
 NO_TORCH = "import sys; sys.modules['torch'] = None; from mfsdp_hotfix.cli import main; " \
            "sys.exit(main(sys.argv[1:]))"
@@ -39,9 +44,11 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
     assert {k: v["state"] for k, v in copy["fixes"].items()} == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
-        "zero1-accumulate": "would apply"}
+        "zero1-accumulate": "would apply",
+        "reduce-once": "would apply"}
     assert [(x["fix"], x["covered"]) for x in copy["limits"]] == [
-        ("getter-guard", True), ("ordered-drain", True)]
+        ("getter-guard", True), ("ordered-drain", True), ("zero1-accumulate", True),
+        ("reduce-once", True)]
 
 
 def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
@@ -54,7 +61,8 @@ def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
         "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True and fused "
         "wgrad accumulation": True,
         "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True": True,
-        "ZeRO-3 (optim_grads_params) with fsdp_double_buffer=True": True}
+        "ZeRO-3 (optim_grads_params) with fsdp_double_buffer=True": True,
+        "ZeRO-1 (optim)": True}
 
 
 def test_switched_off_install_fails_the_check(fsdp_release) -> None:
@@ -69,10 +77,12 @@ def test_switched_off_says_off_everywhere(fsdp_release) -> None:
     assert data["hotfix"] == "off"
     assert {k: fix["state"] for k, fix in data["copies"][0]["fixes"].items()} == {
         "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed",
-        "zero1-accumulate": "off"}
-    proc = run_python("", fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"},
-                      args=("-m", "mfsdp_hotfix", "status"))
-    assert "hotfix: off" in proc.stdout and "would apply" not in proc.stdout
+        "zero1-accumulate": "off",
+        "reduce-once": "off"}
+    for verbose in ((), ("--verbose",)):
+        proc = run_python("", fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"},
+                          args=("-m", "mfsdp_hotfix", "status", *verbose))
+        assert "the hotfix is off: " in proc.stdout and "would apply" not in proc.stdout
     assert "getter-guard: off (MFSDP_HOTFIX=0)" in proc.stdout
 
 
@@ -87,10 +97,10 @@ def test_switched_off_leaves_unfixed_only_what_the_copy_needs(fsdp_release, vers
     copy needs (no "upgrade to megatron-fsdp >= 0.6.0" for 0.6.1)."""
     code, data = status(fsdp_release(version), env={"MFSDP_HOTFIX": "0"})
     (copy,) = data["copies"]
-    assert code == 1 and [x["fix"] for x in copy["limits"]] == needed
-    # and the release defect of every copy from megatron-fsdp 0.2.0 on (it has no limit: see
-    # docs/RELEASE_DEFECTS.md)
-    outside = ["zero1-accumulate"] if version != "0.1.0" else []
+    # and the fixes of the release defects this copy has (zero1-accumulate from megatron-fsdp
+    # 0.2.0, reduce-once from 0.3.0: docs/RELEASE_DEFECTS.md)
+    outside = ["zero1-accumulate", "reduce-once"] if version != "0.1.0" else []
+    assert code == 1 and [x["fix"] for x in copy["limits"]] == needed + outside
     assert [line.rsplit(": ", 1)[1].split()[0] for line in data["unfixed"]] == needed + outside
     if version == "0.6.1":
         assert ">=" not in json.dumps(copy["limits"]), copy["limits"]
@@ -113,6 +123,43 @@ def test_misspelt_variable_is_named_with_the_closest_known_one(fsdp_release) -> 
     assert "MFSDP_HOTFIX_TIMEOUT" in problem and "MFSDP_HOTFIX_CROSS_RANK_TIMEOUT" in problem
 
 
+@pytest.mark.parametrize("route", ["bootstrap", "none"])
+def test_a_misspelt_switch_is_told_once_on_stderr(fsdp_release, route: str) -> None:
+    """``MFSDP_HOTFX=0`` leaves the hotfix armed: said once on stderr (by the bootstrap at
+    interpreter start where it runs, else by status), never mixed into the answer on stdout."""
+    path = [ARMED] if route == "bootstrap" else []
+    proc = run_python("", *path, fsdp_release("0.5.1"), env={"MFSDP_HOTFX": "0"},
+                      args=("-m", "mfsdp_hotfix", "status", "--check"))
+    warning = ("MFSDP_HOTFX is not a variable mfsdp_hotfix reads (did you mean MFSDP_HOTFIX?); "
+               "it is ignored")
+    said = "mfsdp_hotfix: warning: " if route == "bootstrap" else "mfsdp-hotfix status: warning: "
+    assert proc.stderr == f"{said}{warning}\n" and "MFSDP_HOTFX" not in proc.stdout
+    if route == "bootstrap":
+        assert proc.returncode == 0 and proc.stdout.startswith(
+            "affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed"), proc.stdout
+
+
+def test_the_verdict_of_a_switched_off_install(fsdp_release) -> None:
+    _, data = status(fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"})
+    assert data["verdict"] == {
+        "affected": True, "protected": False,
+        "line": "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: MFSDP_HOTFIX=0; use "
+                "fsdp_double_buffer=False; for zero1-fused-wgrad-overwrite use ZeRO-2 or ZeRO-3 "
+                "(optim_grads, optim_grads_params); for unsharded-grads-reduced-twice use "
+                "overlap_grad_reduce=True (the default)"}
+
+
+def test_the_api_answers_for_this_process(fsdp_release) -> None:
+    """``mfsdp_hotfix.status()["verdict"]``: the same line, for the process that asks."""
+    proc = run_python("import json, megatron_fsdp.megatron_fsdp, mfsdp_hotfix\n"
+                      "print(json.dumps(mfsdp_hotfix.status()['verdict']))", fsdp_release("0.6.1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {
+        "affected": True, "protected": True,
+        "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active and "
+                "applies ordered-drain, zero1-accumulate, reduce-once"}
+
+
 def test_disabled_fix_fails_the_check(fsdp_release) -> None:
     code, data = status(fsdp_release("0.4.0"),
                         env={"MFSDP_HOTFIX_DISABLED_FIXES": "getter-guard"})
@@ -128,6 +175,14 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
     code, data = status(root)
     assert code == 1 and data["copies"][0]["refused"] is True
     assert "refused" in data["unfixed"][0]
+    # the fixes that rest on none of the refused code would still apply, and the copy's
+    # release defects are listed
+    fixes = {fix: state["state"] for fix, state in data["copies"][0]["fixes"].items()}
+    assert fixes == {"getter-guard": "refused", "ordered-drain": "refused",
+                     "missed-post-backward": "not needed", "zero1-accumulate": "would apply",
+                     "reduce-once": "would apply"}
+    assert [d["name"] for d in data["copies"][0]["release_defects"]] == [
+        "zero1-fused-wgrad-overwrite", "unsharded-grads-reduced-twice"]
     assert status(root, check=False)[0] == 0
 
 
@@ -139,18 +194,34 @@ def test_era_c_needs_no_getter_guard(fsdp_release) -> None:
 
 @pytest.mark.parametrize("path_kind", ["none", "release"])
 def test_text_output(fsdp_release, path_kind: str) -> None:
+    """The answer first, one short line per copy; the shapes and defects behind --verbose."""
     path = [fsdp_release("0.4.0")] if path_kind == "release" else []
-    proc = run_python("", *path, args=("-m", "mfsdp_hotfix", "status"))
-    assert proc.returncode == 0, proc.stderr
-    if path_kind == "release":
-        assert "megatron-fsdp 0.4.0: era A" in proc.stdout
-        assert "getter-guard: would apply" in proc.stdout
-        # Shape names are explained, not left to read like version numbers.
-        assert ("main_grad_getter: as shipped in 0.17 (megatron-core 0.17.0-0.18.2, "
-                "megatron-fsdp 0.4.0-0.5.1; unguarded)") in proc.stdout
-        assert "'as shipped in 0.17' means its text equals megatron-core 0.17.0's" in proc.stdout
-    else:
-        assert "no Megatron-FSDP copy found" in proc.stdout
+    proc = run_python("", ARMED, *path, args=("-m", "mfsdp_hotfix", "status"))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    lines = proc.stdout.splitlines()
+    if path_kind == "none":
+        assert lines[0] == "not affected: no Megatron-FSDP copy found"
+        return
+    assert lines[:2] == [
+        "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed and applies "
+        "getter-guard, ordered-drain, zero1-accumulate, reduce-once",
+        "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate, "
+        f"reduce-once would apply; at {fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
+    assert lines[2].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
+                             "on PYTHONPATH") and len(lines) == 4, lines
+    assert "main_grad_getter" not in proc.stdout and "release defect " not in proc.stdout
+    verbose = run_python("", ARMED, *path, args=("-m", "mfsdp_hotfix", "status",
+                                                 "--verbose")).stdout
+    assert verbose.splitlines()[0] == lines[0]
+    # A standalone copy is told in its own release numbers, not megatron-core's.
+    assert ("    main_grad_getter: as shipped in megatron-fsdp 0.4.0-0.5.1 (and megatron-core "
+            "0.17.0-0.18.2; unguarded)") in verbose
+    assert "as shipped in 0.17" not in verbose
+    assert ("    _register_fsdp_hooks: the code of megatron-core 0.17, recognised by "
+            "fingerprint") in verbose
+    assert ("    release defect zero1-fused-wgrad-overwrite: repaired (zero1-accumulate: would "
+            "apply)") in verbose
+    assert "getter-guard: would apply (" in verbose
 
 
 def test_selftest_help_explains_every_option() -> None:
@@ -161,10 +232,11 @@ def test_selftest_help_explains_every_option() -> None:
     assert "selftest: PASS" in text
 
 
-def test_selftest_without_torch_says_fail_and_installs_nothing() -> None:
+def test_selftest_without_torch_says_cannot_run_and_installs_nothing() -> None:
     proc = run_python("", args=("-c", NO_TORCH, "selftest"))
     assert proc.returncode == 2
-    assert proc.stderr.startswith("selftest: FAIL: no torch") and "pip install" not in proc.stderr
+    assert proc.stderr.startswith("selftest: CANNOT RUN: no torch")
+    assert "pip install" not in proc.stderr
 
 
 @pytest.mark.parametrize(("version", "era", "protects_fusion_off"),
@@ -177,7 +249,8 @@ def test_status_says_what_protects_without_the_hotfix(fsdp_release, version: str
     assert copy["era"] == era
     assert "fsdp_double_buffer=False" in copy["without_hotfix"]
     assert ("does NOT protect" not in copy["without_hotfix"]) == protects_fusion_off
-    proc = run_python("", fsdp_release(version), args=("-m", "mfsdp_hotfix", "status"))
+    proc = run_python("", fsdp_release(version),
+                      args=("-m", "mfsdp_hotfix", "status", "--verbose"))
     assert f"    without the hotfix: {copy['without_hotfix']}" in proc.stdout
 
 
@@ -187,7 +260,7 @@ def test_selftest_without_numpy_says_it_cannot_run() -> None:
                                 "from mfsdp_hotfix.cli import main; sys.exit(main(['selftest']))"))
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(
-        "selftest: FAIL: cannot run: no numpy in this environment."), proc.stderr
+        "selftest: CANNOT RUN: no numpy in this environment."), proc.stderr
 
 
 def test_version() -> None:

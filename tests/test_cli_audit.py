@@ -85,3 +85,29 @@ def test_a_missing_folder_is_created_and_said_so(tmp_path: Path) -> None:
     assert (f"mfsdp-hotfix audit: created the folder {tmp_path / 'new' / 'deeper'} for the "
             "rank files") in out.stderr
     assert out.stdout.splitlines()[-1].startswith("audit: NO DATA: ") and out.returncode == 4
+
+
+def test_an_out_no_one_can_write_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    """Probed by creating a file: as root (training containers) os.access says yes to /proc."""
+    out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", "/proc/x", "--", "touch",
+                               str(tmp_path / "ran")))
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert out.stderr == ("mfsdp-hotfix audit: --out /proc/x: cannot create a file in /proc (No "
+                          "such file or directory); nothing was run\n"), out.stderr
+    assert not (tmp_path / "ran").exists()
+
+
+def test_ranks_that_could_not_write_are_told_so_not_no_data(tmp_path: Path) -> None:
+    """The folder became unwritable while the job ran (here: replaced by a file): the verdict
+    says the files could not be written, not that the hotfix was not loaded."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    gone = f"import os; os.rmdir({str(folder)!r}); open({str(folder)!r}, 'w').close()"
+    out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", str(folder / "a"), "--",
+                               sys.executable, "-c", gone))
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == (
+        "audit: UNWRITABLE: no rank file could be written where the audit was told to write "
+        "them, so nothing the ranks counted is here; give --out (or MFSDP_HOTFIX_AUDIT) a path "
+        "every rank can write (command exit status 0)"), out.stdout
+    assert f"no rank file {folder}/a.rank<N>.json: {folder} is not a folder" in out.stdout

@@ -54,3 +54,39 @@ def test_limits_say_what_is_and_is_not_covered() -> None:
     assert "[fsdp_params] No buffer found" in disabled["failure"]
     assert [x["fix"] for x in coverage.limits(FOUND, states("not needed"))] == [
         "getter-guard", "ordered-drain"]
+
+
+ZERO1 = SimpleNamespace(fsdp_double_buffer=False, data_parallel_sharding_strategy="optim",
+                        overlap_grad_reduce=True)
+
+
+@pytest.mark.parametrize("state", ["unverified", "failed"])
+def test_an_unavailable_zero1_fix_refuses_a_zero1_model(state: str) -> None:
+    with pytest.raises(UnsupportedConfiguration) as caught:
+        coverage.check(FOUND, {"zero1-accumulate": (state, "why")}, ZERO1)
+    message = str(caught.value)
+    assert f"ZeRO-1 (optim): the fix zero1-accumulate is {state} (why)" in message
+    assert "Workaround: ZeRO-2 or ZeRO-3" in message
+    coverage.check(FOUND, {"zero1-accumulate": (state, "why")},
+                   SimpleNamespace(**{**vars(ZERO1),
+                                      "data_parallel_sharding_strategy": "optim_grads"}))
+
+
+@pytest.mark.parametrize("strategy", ["optim", "no_shard"])
+def test_an_unavailable_reduce_once_refuses_unsharded_gradients_without_overlap(
+        strategy: str) -> None:
+    fixes = {"reduce-once": ("unverified", "why")}
+    without = SimpleNamespace(**{**vars(ZERO1), "data_parallel_sharding_strategy": strategy,
+                                 "overlap_grad_reduce": False})
+    with pytest.raises(UnsupportedConfiguration, match="Workaround: overlap_grad_reduce=True"):
+        coverage.check(FOUND, fixes, without)
+    coverage.check(FOUND, fixes, SimpleNamespace(**{**vars(without),
+                                                    "overlap_grad_reduce": True}))
+
+
+def test_a_refused_copys_fixes_are_reported_not_enforced() -> None:
+    fixes = {"getter-guard": ("refused", "why"), "ordered-drain": ("refused", "why")}
+    coverage.check(FOUND, fixes, ZERO3_DB)
+    assert {x["fix"]: x["refused_at_model_construction"]
+            for x in coverage.limits(FOUND, fixes)} == {"getter-guard": False,
+                                                        "ordered-drain": False}

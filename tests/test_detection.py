@@ -35,7 +35,11 @@ def test_every_megatron_fsdp_release(version: str) -> None:
     assert found.era is not None and found.era.name == EXPECTED_FSDP[version]
     assert found.reason == f"era {found.era.name}: verified release megatron-fsdp {version}"
     assert found.verified_release and found.label_kind == "release" and found.notes == ()
-    assert set(found.matched_by.values()) == {"fingerprint"}
+    # the synchronous reductions are recognised by their loop's guard only (registry.py)
+    synchronous = set(registry.SYNCHRONOUS_REDUCTIONS.values())
+    assert {how for name, how in found.matched_by.items() if name not in synchronous} == {
+        "fingerprint"}
+    assert {found.matched_by[name] for name in synchronous} == {"structure"}
 
 
 @pytest.mark.parametrize("version", sorted(EXPECTED_CORE))
@@ -239,5 +243,7 @@ def test_a_fork_of_the_lazy_release_design_needs_no_missed_post_backward(tmp_pat
         "            _ = 'a fork'", 1))
     found = _detect(STANDALONE, root)
     shape = found.shapes[registry.HOOKS]
-    assert shape is not None and shape.name == "releases stale units lazily"
+    assert shape is not None and shape.name == ("releases stale units lazily, reduces unsharded "
+                                                "gradients in the hooks always")
     assert not found.needs(registry.MISSED_POST_BACKWARD)
+    assert found.needs(registry.REDUCE_ONCE)

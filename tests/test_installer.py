@@ -52,7 +52,8 @@ def test_import_order(fsdp051: Path, order: str) -> None:
     assert data["drain"] == "ordered-drain" and data["init"] == "getter-guard"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
-                           "zero1-accumulate": "applied"}
+                           "zero1-accumulate": "applied",
+                           "reduce-once": "applied"}
     assert data["status"]["loaded_via"] == "import" and data["status"]["hotfix"] == "active"
 
 
@@ -74,11 +75,13 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
-        "zero1-accumulate": "would apply"}
+        "zero1-accumulate": "would apply",
+        "reduce-once": "would apply"}
     assert data["status"]["hotfix"] == "active"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
-                           "zero1-accumulate": "applied"}
+                           "zero1-accumulate": "applied",
+                           "reduce-once": "applied"}
 
 
 def test_misspelt_variable_warns_once_at_install(fsdp051: Path) -> None:
@@ -94,7 +97,8 @@ def test_era_c_keeps_its_own_getter(fsdp_release) -> None:
     assert data["drain"] == "ordered-drain" and data["init"] == "function"
     assert fixes(data) == {"getter-guard": "not needed", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
-                           "zero1-accumulate": "applied"}
+                           "zero1-accumulate": "applied",
+                           "reduce-once": "applied"}
 
 
 def test_both_copies_in_one_process(fsdp051: Path) -> None:
@@ -118,7 +122,8 @@ print("REPORT" + __import__("json").dumps({"status": mfsdp_hotfix.status(),
     assert fixes(data, registry_vendored()) == {"getter-guard": "applied",
                                                  "ordered-drain": "applied",
                                                  "missed-post-backward": "not needed",
-                                                 "zero1-accumulate": "applied"}
+                                                 "zero1-accumulate": "applied",
+                                                 "reduce-once": "applied"}
 
 
 def registry_vendored() -> str:
@@ -183,7 +188,8 @@ def test_disabled_fix_is_reported(fsdp051: Path) -> None:
     assert data["init"] == "function"
     assert fixes(data) == {"getter-guard": "disabled", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
-                           "zero1-accumulate": "applied"}
+                           "zero1-accumulate": "applied",
+                           "reduce-once": "applied"}
 
 
 @pytest.fixture
@@ -198,12 +204,36 @@ def modified_release(tmp_path: Path, fsdp051: Path) -> Path:
     return root
 
 
-def test_refused_copy_warns_once_and_is_left_alone(modified_release: Path) -> None:
+def test_refused_copy_warns_once_and_keeps_only_the_fixes_that_rest_on_none_of_it(
+        modified_release: Path) -> None:
+    """Refused for an unknown drain: the double-buffer fixes are not applied, the fixes outside
+    the double buffer (which rest on none of its functions) are, and status lists the release
+    defects of the copy."""
     proc = run_python("import mfsdp_hotfix\n" + REPORT, modified_release)
     data = report(proc)
     assert data["drain"] == "function" and data["init"] == "function"
+    assert fixes(data) == {"getter-guard": "refused", "ordered-drain": "refused",
+                           "missed-post-backward": "not needed",
+                           "zero1-accumulate": "applied", "reduce-once": "applied"}
+    (copy,) = data["status"]["copies"]
+    assert copy["refused"] is True
+    assert [(d["name"], d["repaired"]) for d in copy["release_defects"]] == [
+        ("zero1-fused-wgrad-overwrite", True), ("unsharded-grads-reduced-twice", True)]
     assert proc.stderr.count("NOT patching megatron-fsdp") == 1
-    assert "fsdp_double_buffer=False" in proc.stderr
+    assert "run with fsdp_double_buffer=False to avoid the double-buffer gradient bugs (ZeRO-2/3)" \
+        in proc.stderr
+    assert "Still applied: zero1-accumulate, reduce-once" in proc.stderr
+
+
+def test_a_refusal_names_the_workaround_of_each_defect_left(modified_release: Path) -> None:
+    proc = run_python("import mfsdp_hotfix\n" + REPORT, modified_release,
+                      env={"MFSDP_HOTFIX_DISABLED_FIXES": "zero1-accumulate"})
+    report(proc)
+    assert ("zero1-fused-wgrad-overwrite (ZeRO-1 (data_parallel_sharding_strategy='optim') "
+            in proc.stderr), proc.stderr
+    assert ("is not repaired either: ZeRO-2 or ZeRO-3 (optim_grads, optim_grads_params) or "
+            "fused wgrad accumulation off") in proc.stderr
+    assert "Still applied: reduce-once" in proc.stderr
 
 
 def test_strict_mode_turns_a_refusal_into_an_error(modified_release: Path) -> None:

@@ -84,11 +84,13 @@ def test_install_lines_leave_a_training_environment_alone(tmp_path: Path) -> Non
     before = freeze(pip)
     assert before["megatron-fsdp"] == "0.5.1" and before["torch"].startswith("2.13.0")
     install = [line for line in shell_lines(section("Install (training images)"))
-               if line.startswith("pip install")]
-    assert install == ["pip install ."]
+               if line.startswith("pip ")]  # pip install ., and the pinned wheel's two lines
+    assert install == ["pip install .", "pip wheel --no-deps -w dist .",
+                       "pip install dist/mfsdp_hotfix-*.whl"]
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    for line in install:
-        subprocess.run(line, shell=True, cwd=REPO, env=env, check=True, capture_output=True)
+    for line in install:  # the wheel goes to a scratch folder, not into the checkout
+        subprocess.run(line.replace("dist", str(tmp_path / "dist")), shell=True, cwd=REPO,
+                       env=env, check=True, capture_output=True)
     after = freeze(pip)
     assert {k: after.get(k) for k in ("torch", "megatron-fsdp")} == \
         {k: before[k] for k in ("torch", "megatron-fsdp")}

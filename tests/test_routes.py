@@ -48,7 +48,7 @@ def _normalise(command: str) -> str:
 
 
 COMMAND = re.compile(r"^(?:[A-Z_]+=\S*\s+)*(?:mfsdp-hotfix\b|python3? -m (?:mfsdp_hotfix|venv)\b"
-                     r"|pip install\b)|^[A-Z_]+=\$\(mfsdp-hotfix")
+                     r"|pip (?:install|wheel)\b)|^[A-Z_]+=\$\(mfsdp-hotfix|^\. \S+/bin/activate$")
 
 
 def readme_commands() -> set[str]:
@@ -85,12 +85,15 @@ ROUTES = {
     "https://download.pytorch.org/whl/cpu && /tmp/mfsdp-try/bin/pip install '.[selftest]' && "
     "/tmp/mfsdp-try/bin/mfsdp-hotfix selftest": "test_the_try_it_route_names_the_torch_it_installs",
     "pip install .": "installed.py (the fixture) and test_the_install_is_a_wheel_not_the_checkout",
+    ". /tmp/mfsdp-try/bin/activate": "test_activate",
+    "pip wheel --no-deps -w dist .": "test_a_pinned_wheel",
+    "pip install dist/mfsdp_hotfix-*.whl": "test_a_pinned_wheel",
     "mfsdp-hotfix status": "test_status",
     "mfsdp-hotfix status --path DIR": "test_status_path",
     "mfsdp-hotfix help": "test_version_and_help",
     "mfsdp-hotfix --version": "test_version_and_help",
-    "mfsdp-hotfix audit --out audit/example -- torchrun --nproc-per-node 2 examples/train_fsdp.py":
-        "test_the_example_job_through_the_audit",
+    "mfsdp-hotfix audit --out /tmp/mfsdp-example/run1 -- torchrun --nproc-per-node 2 "
+    "examples/train_fsdp.py": "test_the_example_job_through_the_audit",
     "mfsdp-hotfix": "test_no_command_or_an_unknown_one",
     "python -m mfsdp_hotfix status": "test_status",
     "mfsdp-hotfix selftest": "test_selftest",
@@ -147,14 +150,22 @@ def test_status(installed: Installed) -> None:
     plain = installed.sh(readme("mfsdp-hotfix status"))
     assert plain.returncode == 0 and plain.stderr == "", plain.stderr
     lines = plain.stdout.splitlines()
-    assert re.fullmatch(r"  hotfix: armed at interpreter start by \S+/site-packages/"
-                        r"mfsdp_hotfix\.pth: .*", lines[1]), lines[:3]
-    assert "- megatron-fsdp 0.5.1: era B, " in plain.stdout, plain.stdout
-    assert "    getter-guard: would apply (" in plain.stdout
+    assert lines[0] == ("affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed "
+                        "and applies getter-guard, ordered-drain, zero1-accumulate, "
+                        "reduce-once"), lines
+    assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain, "
+                               "zero1-accumulate, reduce-once would apply; at "), lines
+    assert re.fullmatch(r"mfsdp-hotfix \S+, in a new Python process of this environment: the "
+                        r"hotfix is armed at interpreter start by \S+/site-packages/"
+                        r"mfsdp_hotfix\.pth", lines[2]), lines
+    verbose = installed.sh("mfsdp-hotfix status --verbose")
+    assert verbose.stdout.splitlines()[0] == lines[0]
+    assert "    getter-guard: would apply (" in verbose.stdout
     module = installed.sh(readme("python -m mfsdp_hotfix status"))
     assert (module.returncode, module.stdout, module.stderr) == (0, plain.stdout, "")
     check = installed.sh("mfsdp-hotfix status --check >/dev/null && mfsdp-hotfix status --json")
     assert check.returncode == 0 and json.loads(check.stdout)["unfixed"] == []
+    assert json.loads(check.stdout)["verdict"]["line"] == lines[0]
 
 
 def test_status_path(installed: Installed) -> None:
@@ -164,21 +175,27 @@ def test_status_path(installed: Installed) -> None:
     folder = site.stdout.strip()
     proc = installed.sh(readme("mfsdp-hotfix status --path DIR", DIR=folder))
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-    assert f"for the folder {folder}, read from disk (nothing imported):" in proc.stdout
-    assert "- megatron-fsdp 0.5.1: era B, " in proc.stdout, proc.stdout
-    assert "    ordered-drain: would apply (" in proc.stdout, proc.stdout
+    lines = proc.stdout.splitlines()
+    assert lines[0] == ("affected: megatron-fsdp 0.5.1 (era B) — repaired where the hotfix is "
+                        "loaded: it applies getter-guard, ordered-drain, zero1-accumulate, "
+                        "reduce-once"), lines
+    assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): "), lines
+    assert f"for the folder {folder}, read from disk (nothing imported)" in proc.stdout
 
 
 def test_switched_off(installed: Installed) -> None:
     """``MFSDP_HOTFIX=0``: status says off and --check fails, leaving unfixed only what 0.5.1
     needs; a job's process patches nothing, and says which copy it imported."""
-    check = installed.sh("MFSDP_HOTFIX=0 mfsdp-hotfix status --check")
-    assert check.returncode == 1 and "  hotfix: off " in check.stdout, check.stdout[-2000:]
+    check = installed.sh("MFSDP_HOTFIX=0 mfsdp-hotfix status --check --verbose")
+    assert check.returncode == 1 and check.stdout.startswith(
+        "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: MFSDP_HOTFIX=0; use "
+        "fsdp_double_buffer=False; for zero1-fused-wgrad-overwrite use "), check.stdout[-2000:]
+    assert ": the hotfix is off: MFSDP_HOTFIX=0 switches every fix off" in check.stdout
     assert "    missed-post-backward: not needed (" in check.stdout, check.stdout[-2000:]
     unfixed = check.stdout.split("\nLeft unfixed:\n", 1)[1].splitlines()
     assert [line.rsplit(": ", 1)[1] for line in unfixed] == [
         "getter-guard off (MFSDP_HOTFIX=0)", "ordered-drain off (MFSDP_HOTFIX=0)",
-        "zero1-accumulate off (MFSDP_HOTFIX=0)"], unfixed
+        "zero1-accumulate off (MFSDP_HOTFIX=0)", "reduce-once off (MFSDP_HOTFIX=0)"], unfixed
     proc = installed.sh("MFSDP_HOTFIX=0 python -c 'import megatron_fsdp, mfsdp_hotfix; "
                         "print(mfsdp_hotfix.summary()); "
                         "print(mfsdp_hotfix.status()[\"copies\"][0][\"imported\"])\n"
@@ -189,6 +206,47 @@ def test_switched_off(installed: Installed) -> None:
     summary, imported, states = proc.stdout.splitlines()
     assert summary == "mfsdp_hotfix: megatron-fsdp 0.5.1 era B: nothing applied (MFSDP_HOTFIX=0)"
     assert imported == "True" and json.loads(states) == ["off", "pth", "off"]
+
+
+def test_a_misspelt_switch(installed: Installed) -> None:
+    """``MFSDP_HOTFX=0`` (a letter missing) leaves the hotfix armed: every process says so on
+    stderr, once, and status still answers protected on stdout."""
+    warning = ("mfsdp_hotfix: warning: MFSDP_HOTFX is not a variable mfsdp_hotfix reads (did "
+               "you mean MFSDP_HOTFIX?); it is ignored\n")
+    check = installed.sh("MFSDP_HOTFX=0 mfsdp-hotfix status --check")
+    assert (check.returncode, check.stderr) == (0, warning), check.stderr
+    assert check.stdout.startswith("affected: megatron-fsdp 0.5.1 (era B) — protected: ")
+    plain = installed.sh("MFSDP_HOTFX=0 python -c pass")
+    assert (plain.returncode, plain.stderr) == (0, warning), plain.stderr
+
+
+def test_activate(installed: Installed) -> None:
+    """After 'Try it', the README's activation line puts that environment's ``mfsdp-hotfix`` and
+    ``torchrun`` first (here the installed environment in place of /tmp/mfsdp-try)."""
+    line = readme(". /tmp/mfsdp-try/bin/activate", **{"/tmp/mfsdp-try": str(installed.root)})
+    proc = installed.sh(f"{line} && command -v mfsdp-hotfix torchrun",
+                        env={"PATH": "/usr/bin:/bin", "VIRTUAL_ENV": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(installed.root / "bin" / name)
+                                   for name in ("mfsdp-hotfix", "torchrun")]
+
+
+def test_a_pinned_wheel(installed: Installed) -> None:
+    """The README's two lines that pin a version: the wheel built from the source tree, then
+    that file installed, with its dependencies (here into a fresh environment, with the pip
+    options of installed.py)."""
+    build = installed.sh(readme("pip wheel --no-deps -w dist .", **{" .": f" {REPO}"}))
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = (installed.work / "dist").glob("mfsdp_hotfix-*.whl")
+    options = os.environ.get("MFSDP_TEST_ROUTES_PIP", "")
+    proc = installed.sh("python -m venv fresh && fresh/bin/" + readme(
+        "pip install dist/mfsdp_hotfix-*.whl", **{"pip install": f"pip install -q {options}"})
+        + " && fresh/bin/mfsdp-hotfix --version && ls fresh/lib/python*/site-packages",
+        timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    version = wheel.name.split("-")[1]
+    assert proc.stdout.splitlines()[0] == f"mfsdp-hotfix {version}", proc.stdout
+    assert "mfsdp_hotfix.pth" in proc.stdout.split()
 
 
 @pytest.mark.parametrize("bootstrap, loaded_via, state", [
@@ -244,7 +302,7 @@ def test_selftest_gpu_without_a_gpu(installed: Installed) -> None:
     proc = installed.sh(readme("mfsdp-hotfix selftest --gpu"), env={"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1].startswith(
-        "selftest: FAIL: cannot run the GPU selftest here: "), proc.stdout
+        "selftest: CANNOT RUN: the GPU selftest cannot run here: "), proc.stdout
     assert "Traceback" not in proc.stderr
 
 
@@ -276,26 +334,31 @@ def test_the_example_job_through_the_audit(installed: Installed) -> None:
     reaches stderr although its verdict, ordered, is INFO; run again, it keeps the first run's
     rank files unless --overwrite is given."""
     shutil.copy(REPO / "examples" / "train_fsdp.py", installed.work / "train_fsdp.py")
-    shutil.rmtree(installed.work / "audit", ignore_errors=True)
+    example = installed.work / "mfsdp-example"
+    shutil.rmtree(example, ignore_errors=True)
     changes = {"torchrun --nproc": "torchrun --standalone --nproc",
-               "examples/train_fsdp.py": "train_fsdp.py"}
-    command = readme("mfsdp-hotfix audit --out audit/example -- torchrun --nproc-per-node 2 "
-                     "examples/train_fsdp.py", **changes)
+               "examples/train_fsdp.py": "train_fsdp.py", "/tmp/mfsdp-example": str(example)}
+    command = readme("mfsdp-hotfix audit --out /tmp/mfsdp-example/run1 -- torchrun "
+                     "--nproc-per-node 2 examples/train_fsdp.py", **changes)
     proc = installed.sh(command)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert proc.stderr.startswith(f"mfsdp-hotfix audit: created the folder "
-                                  f"{installed.work / 'audit'} for the rank files"), proc.stderr
+    assert proc.stderr.startswith(f"mfsdp-hotfix audit: created the folder {example} for the "
+                                  "rank files"), proc.stderr
+    # the README names the warnings of Megatron-FSDP on CPU that are expected there
+    assert "using device cpu instead of the current device cuda:0" in proc.stderr
+    assert ("`Megatron-FSDP is using device cpu instead of the current device cuda:0`"
+            in " ".join(README.split()))
     assert re.search(r"^mfsdp_hotfix audit, 2 ranks: ordered: 0 unordered of [1-9]\d* "
                      r"gradient-slot reuses", proc.stderr, re.M), proc.stderr[-3000:]
     assert ("mfsdp_hotfix: megatron-fsdp 0.5.1 era B: getter-guard, ordered-drain, "
-            "zero1-accumulate") in proc.stdout
+            "zero1-accumulate, reduce-once") in proc.stdout
     assert proc.stdout.splitlines()[-1].startswith("audit: ordered: ")
-    files = sorted((installed.work / "audit").iterdir())
+    files = sorted(example.iterdir())
     written = [f.read_bytes() for f in files]
     again = installed.sh(command)
     assert again.returncode == 2 and again.stdout == "", again.stdout
     assert "add --overwrite to delete them first; nothing was run" in again.stderr
-    assert [f.read_bytes() for f in sorted((installed.work / "audit").iterdir())] == written
+    assert [f.read_bytes() for f in sorted(example.iterdir())] == written
 
 
 def test_audit_around_the_selftest_says_why_it_has_no_data(installed: Installed,
@@ -309,6 +372,7 @@ def test_audit_around_the_selftest_says_why_it_has_no_data(installed: Installed,
         "selftest: note: MFSDP_HOTFIX_AUDIT is set (as 'mfsdp-hotfix audit' sets it), but the "
         "selftest does not pass it to its workers"), proc.stdout
     assert lines[-1].startswith("audit: NO DATA: ") and "selftest --audit" in proc.stdout
+    assert "selftest: CANNOT RUN: " in proc.stdout
 
 
 def test_version_and_help(installed: Installed) -> None:
@@ -393,6 +457,7 @@ def test_a_command_that_does_not_exist(installed: Installed) -> None:
     ("job.py/run1", "job.py is a file, so the folder"),
     ("scratch", "is a folder"),
     ("new/", "is a folder"),
+    ("/proc/x", "cannot create a file in /proc"),  # as root, os.access says yes to it
 ])
 def test_audit_out_that_cannot_hold_rank_files(installed: Installed, out: str,
                                                words: str) -> None:
@@ -411,7 +476,7 @@ def test_a_closed_pipe_is_quiet(installed: Installed) -> None:
     first write fails whatever the timing)."""
     head = installed.sh("mfsdp-hotfix status | head -1")
     assert head.returncode == 0 and head.stderr == "", head.stderr
-    assert head.stdout.startswith("mfsdp-hotfix ") and head.stdout.count("\n") == 1
+    assert head.stdout.startswith("affected: ") and head.stdout.count("\n") == 1  # the answer
     for command in ("mfsdp-hotfix status", "mfsdp-hotfix status --json",
                     "python -m mfsdp_hotfix status", "mfsdp-hotfix --help"):
         read, write = os.pipe()

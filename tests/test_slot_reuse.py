@@ -35,6 +35,13 @@ def test_an_allocation_crash_is_recorded_and_re_raised_unchanged() -> None:
     assert rule.crash == {"pool": "fsdp_grads", "bucket": 2,
                           "error": "AssertionError: No buffer found for bucket_id: 2"}
     assert raised.value.__traceback__ is not None and errors == []
+    # Under the traceback, whose error it is: the observer's frames are between the caller and
+    # the release's code, and a user would otherwise file the release's crash against us.
+    (note,) = raised.value.__notes__
+    assert note.startswith("mfsdp_hotfix: this error was raised by Megatron-FSDP's own "
+                           "FixedPoolAllocator.allocate (the release's code). The frames of "
+                           "mfsdp_hotfix/patching.py and mfsdp_hotfix/slot_reuse.py above are "
+                           "test-rule, which watches the gradient pool"), note
 
 
 def test_a_bookkeeping_error_is_reported_and_the_original_still_runs() -> None:

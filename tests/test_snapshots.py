@@ -133,11 +133,12 @@ def test_status_says_which_function_matched_which_shape_and_how(tmp_path: Path) 
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
         "getter-guard": "not needed", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
-        "zero1-accumulate": "would apply"}
-    text = _status(root)
+        "zero1-accumulate": "would apply",
+        "reduce-once": "would apply"}
+    text = _status(root, "--verbose")
     assert ("main_grad_getter: drains before fetching, recognised by structure (guarded)"
             in text)
-    assert ("_enforce_double_buffer_limit: as shipped in 0.19 (megatron-core 0.19.0-0.19.2, "
+    assert ("_enforce_double_buffer_limit: as shipped in megatron-core 0.19.0-0.19.2 (and "
             "megatron-fsdp 0.6.0-0.6.1; waits on rs_stream, keeps 2 units live)" in text)
     assert "note: no megatron-core version metadata: judged by code shape alone" in text
 
@@ -150,7 +151,8 @@ def test_status_of_a_git_snapshot_says_it_is_judged_by_its_code(tmp_path: Path) 
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
-        "zero1-accumulate": "would apply"}
+        "zero1-accumulate": "would apply",
+        "reduce-once": "would apply"}
 
 
 def test_pr6316_drain_is_recognised_by_its_structure_with_the_pool_size_from_the_config(
@@ -177,9 +179,10 @@ def test_status_of_pr6316_shows_the_pool_size_and_the_fix(tmp_path: Path) -> Non
     assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
         "getter-guard": "not needed", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
-        "zero1-accumulate": "would apply"}
+        "zero1-accumulate": "would apply",
+        "reduce-once": "would apply"}
     assert ("gradient pool slots (N): from the config (self.ddp_config.fsdp_buffer_count), "
-            "read when the model is built") in _status(root)
+            "read when the model is built") in _status(root, "--verbose")
 
 
 def test_status_of_a_release_shows_its_fixed_pool_size(tmp_path: Path) -> None:
@@ -244,8 +247,14 @@ def test_the_drain_on_the_callers_stream_is_the_change_proposed_upstream(
     (_COUNT, "buffer_count = self.buffer.fsdp_buffer_count", 1),
     ("self.wait_for_previous_grad_reduce(keep_n)", "self.wait_for_previous_grad_reduce(0)", 1),
     ("keep_n -= 1", "keep_n -= 2", 1),
+    ("            double_buf_units.add(fsdp_unit_id)\n            if len(double_buf_units)",
+     "            if len(double_buf_units)", 1),
+    ("            double_buf_units.add(fsdp_unit_id)\n            if len(double_buf_units)",
+     "            queued_units = {fsdp_unit_id}\n            if len(queued_units)", 1),
+    ("for bucket_id in add_buckets:", "for bucket_id in []:", 1),
 ], ids=["retires-one-more", "constant-assert", "not-from-a-config", "retires-all",
-        "retires-two-at-once"])
+        "retires-two-at-once", "queued-units-not-counted", "counts-another-set",
+        "assert-not-on-the-incoming-units"])
 def test_another_drain_with_a_configured_pool_size_is_still_refused(
         tmp_path: Path, old: str, new: str, count: int, callers_stream: bool) -> None:
     snapshot = snapshots.SNAPSHOTS["pr6316"]

@@ -29,7 +29,8 @@ def test_an_unpacked_megatron_core_release() -> None:
     assert copy["verified_release"] and copy["era"] == "C" and not copy["imported"]
     assert states(copy) == {"getter-guard": "not needed", "ordered-drain": "would apply",
                             "missed-post-backward": "not needed",
-                            "zero1-accumulate": "would apply"}
+                            "zero1-accumulate": "would apply",
+                            "reduce-once": "would apply"}
     assert copy["package_info"] == {f"{VENDORED}/package_info.py": "0.6.1",
                                     "megatron/core/package_info.py": "0.19.2"}
     (v2,) = data["v2_copies"]
@@ -134,9 +135,14 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
 def test_cli_text_json_and_check(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     release = str(releases.unpacked("megatron-fsdp", "0.5.1"))
     code, out, _ = run_cli(capsys, "--path", release)
+    assert code == 0 and out.startswith("affected: megatron-fsdp 0.5.1 (era B) — repaired where "
+                                        "the hotfix is loaded: it applies getter-guard")
+    assert "\n- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain" in out
+    code, out, _ = run_cli(capsys, "--path", release, "--verbose")
     assert code == 0 and "- megatron-fsdp 0.5.1: era B" in out
     assert "megatron_fsdp/package_info.py states 0.5.1 (not used as the label)" in out
-    code, out, _ = run_cli(capsys, "--path", str(releases.unpacked("megatron-fsdp", "0.6.1")))
+    code, out, _ = run_cli(capsys, "--path", str(releases.unpacked("megatron-fsdp", "0.6.1")),
+                           "--verbose")
     assert code == 0 and "- megatron-fsdp v2 (experimental) 0.6.1: the hotfix does nothing " \
         "here: Megatron-FSDP v2 has no get_main_grad" in out
     code, out, _ = run_cli(capsys, "--path", release, "--json", "--check")
@@ -146,6 +152,10 @@ def test_cli_text_json_and_check(capsys: pytest.CaptureFixture[str], tmp_path: P
     refused.mkdir(parents=True)
     (refused / "param_and_grad_buffer.py").write_text("")
     code, out, _ = run_cli(capsys, "--path", str(tmp_path), "--check")
+    assert code == cli.CHECK_UNFIXED and out.startswith(
+        "affected: megatron-core 0.13 custom_fsdp (no version metadata, not recognised) — NOT "
+        "protected: left as shipped (its main_grad getter is a class-level property"), out
+    code, out, _ = run_cli(capsys, "--path", str(tmp_path), "--check", "--verbose")
     assert code == cli.CHECK_UNFIXED and "Left unfixed:" in out
 
 

@@ -32,6 +32,8 @@ from .observer import Observer
 log = logging.getLogger("mfsdp_hotfix")
 
 AUDIT, REPORT, SUMMARY = "audit", "audit-report", "audit-summary"
+_UNWRITABLE = ("no rank file is written from this process; the audit goes on counting (the job "
+               "summary line still reports it). Point MFSDP_HOTFIX_AUDIT at a writable path.")
 
 _lock = threading.RLock()
 _audit: _Audit | None = None
@@ -108,6 +110,19 @@ class _Audit:
         for name in registry.REFUSED_MODULES:
             wrapt.register_post_import_hook(self._refused_imported, name)
         atexit.register(finish)
+        self._probe()
+
+    def _probe(self) -> None:
+        """Say now, before the job trains, when no rank file can be written: found at the
+        first write, the warning would come after the whole job."""
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        except OSError:
+            pass  # the probe below names the folder that cannot hold the files
+        problem = report.probe(self.path)
+        if problem is not None:
+            incidents.report(REPORT, f"writing {self.path}.rank<N>.json", OSError(problem),
+                             advice=_UNWRITABLE)
 
     def stop(self) -> bool:
         self.observer.active = False
@@ -223,10 +238,7 @@ class _Audit:
             try:
                 self.file.write(data)
             except Exception as exc:
-                incidents.report(REPORT, f"writing {target}", exc, advice=(
-                    "no rank file is written from this process; the audit goes on counting "
-                    "(the job summary line still reports it). Point MFSDP_HOTFIX_AUDIT at a "
-                    "writable path."))
+                incidents.report(REPORT, f"writing {target}", exc, advice=_UNWRITABLE)
 
     def finish(self) -> None:
         if os.getpid() != self.pid or self.finished:
@@ -240,7 +252,7 @@ class _Audit:
         self._summarise(data)
 
     def _summarise(self, data: dict[str, Any]) -> None:
-        mine = report.totals(data)
+        mine = {**report.totals(data), "unwritten": int(incidents.disabled(REPORT))}
         world = self.group[2] if self.group is not None else 1
         found: dict[int, dict[str, int]] | None = {data["rank"]: mine}
         if world > 1:

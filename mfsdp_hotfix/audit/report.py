@@ -59,6 +59,25 @@ class RankFile:
         return target
 
 
+def probe(path: str) -> str | None:
+    """Why a rank file ``path.rank<N>.json`` cannot be written (None: it can). As root,
+    ``os.access`` says yes to everything, so this creates a file and removes it: beside the rank
+    files when their folder exists, else in the nearest folder above (where it would be made)."""
+    folder = os.path.dirname(path) or "."
+    target = f"{path}.probe{os.getpid()}.tmp"
+    while not os.path.isdir(folder):
+        if os.path.exists(folder) or os.path.dirname(folder) == folder:
+            return f"{folder} is not a folder"
+        folder = os.path.dirname(folder)
+        target = os.path.join(folder, f".mfsdp-hotfix-probe{os.getpid()}.tmp")
+    try:
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.remove(target)
+    except OSError as exc:
+        return f"cannot create a file in {folder} ({exc.strerror or exc})"
+    return None
+
+
 # The verdicts, worst first: (meaning, what to do, exit status of ``mfsdp-hotfix audit`` when
 # the command itself exited 0). Only ``ordered`` means something was checked and found right.
 VERDICTS: dict[str, tuple[str, str, int]] = {
@@ -66,7 +85,10 @@ VERDICTS: dict[str, tuple[str, str, int]] = {
                   "reduce-scatter still reading it: on a GPU, silent gradient corruption",
                   "load the hotfix, or run with fsdp_double_buffer=False; with the hotfix "
                   "loaded, report it with the rank files", 3),
-    "CRASH": ("the double buffer crashed ('No buffer found for bucket_id', era A)",
+    "CRASH": ("the release's double buffer crashed ('No buffer found for bucket_id', era A): "
+              "Megatron-FSDP's own code raised it; frames of mfsdp_hotfix/patching.py and "
+              "mfsdp_hotfix/slot_reuse.py in the traceback are the audit's observer, which "
+              "passes the release's errors on unchanged",
               "load the hotfix, or run with fsdp_double_buffer=False", 3),
     "UNWATCHED": ("a Megatron-FSDP copy, or a gradient pool it built, is of a shape the audit "
                   "cannot watch (an allocator or hooks it does not know): nothing about it was "
@@ -84,8 +106,12 @@ VERDICTS: dict[str, tuple[str, str, int]] = {
                     "full step with 2+ ranks, ZeRO-2/3 and 3+ FSDP units", 4),
     "ordered": ("every gradient-slot reuse the audit saw was ordered after the reduce-scatter "
                 "that last read the slot", "nothing", 0),
+    "UNWRITABLE": ("no rank file could be written where the audit was told to write them, "
+                   "so nothing the ranks counted is here",
+                   "give --out (or MFSDP_HOTFIX_AUDIT) a path every rank can write", 4),
     "NO DATA": ("no rank wrote a file: the hotfix was not loaded in the training processes, "
-                "no Megatron-FSDP copy was imported, or no finish_grad_sync() ran",
+                "no Megatron-FSDP copy was imported, no finish_grad_sync() ran, or the ranks "
+                "could not write there (each rank's warning says so)",
                 "run through `mfsdp-hotfix audit` or the installed bootstrap", 4),
 }
 _ORDER = list(VERDICTS)
@@ -96,9 +122,16 @@ def worst(verdicts: list[str]) -> str:
     return min(verdicts, key=_ORDER.index)
 
 
+FOUND = 3  # the exit status of a finding: UNORDERED or CRASH
+
+
 def exit_status(verdict: str, command_status: int) -> int:
-    """``mfsdp-hotfix audit``'s exit status: the command's when it failed, else the verdict's
-    (0 only for ``ordered``)."""
+    """``mfsdp-hotfix audit``'s exit status (docs/CLI.md, "Exit statuses"): 3 for a finding
+    whatever the command's status (a crash fails the command, and is the finding); else the
+    command's when it failed (128 + N after signal N); else the verdict's (0 only for
+    ``ordered``, 4 for a verdict that checked nothing or not everything)."""
+    if VERDICTS[verdict][2] == FOUND:
+        return FOUND
     if command_status < 0:  # killed by a signal
         return SIGNALLED - command_status
     return command_status or VERDICTS[verdict][2]
@@ -161,6 +194,8 @@ def exchange(store: Any, rank: int, world: int, mine: dict[str, int], timeout_s:
 
 def job_line(found: dict[int, dict[str, int]], world: int, path: str, timeout_s: float
              ) -> tuple[str, str]:
+    """The job's verdict from the ranks' totals (``unwritten``: the rank could not write its
+    file, which the line says; the counts stand)."""
     """The job's verdict (one of :data:`VERDICTS` but ``NO DATA``) and its line."""
     reuses = sum(t["reuses"] for t in found.values())
     unordered = {r: t["unordered"] for r, t in found.items() if t["unordered"]}
@@ -189,7 +224,12 @@ def job_line(found: dict[int, dict[str, int]], world: int, path: str, timeout_s:
         parts.append(f"{unseen} reuses not judged (their reduce-scatter was not seen)")
     if silent:
         parts.append(f"no report within {timeout_s:g} s from ranks {_ranks(silent)}")
-    return verdict, "; ".join(parts) + f" (details: {path}.rank*.json)"
+    unwritten = [r for r, t in found.items() if t.get("unwritten")]
+    if unwritten:
+        parts.append(f"no rank file could be written at {path} on ranks {_ranks(unwritten)} "
+                     "(their warning says why)")
+    details = "" if len(unwritten) == len(found) else f" (details: {path}.rank*.json)"
+    return verdict, "; ".join(parts) + details
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -222,14 +262,18 @@ def read_rank_files(path: str) -> tuple[dict[int, dict[str, Any]], list[str]]:
     return reports, unreadable
 
 
-def summarise(reports: dict[int, dict[str, Any]], path: str) -> tuple[str, list[str]]:
+def summarise(reports: dict[int, dict[str, Any]], path: str, unwritable: str | None = None
+              ) -> tuple[str, list[str]]:
     """A verdict (one of :data:`VERDICTS`) and the lines that explain it, from the rank
-    files."""
+    files; ``unwritable``: why rank files cannot be written at ``path`` (:func:`probe`)."""
+    if not reports and unwritable:
+        return "UNWRITABLE", [f"no rank file {path}.rank<N>.json: {unwritable}"]
     if not reports:
         return "NO DATA", [f"no rank file {path}.rank<N>.json was written: no Megatron-FSDP "
                            "copy was imported, the hotfix was not loaded in the training "
                            "processes (run through `mfsdp-hotfix audit` or the installed "
-                           "bootstrap), no finish_grad_sync() ran, or the command did not pass "
+                           "bootstrap), no finish_grad_sync() ran, the ranks could not write "
+                           "there (each says so in a warning), or the command did not pass "
                            "MFSDP_HOTFIX_AUDIT on to them (`mfsdp-hotfix selftest` does not: "
                            "use `mfsdp-hotfix selftest --audit`)"]
     lines = []

@@ -12,10 +12,14 @@ an optimizer step under ``no_sync()``, so each microbatch erases the ones before
 
 After the release's own method has set the attribute, it is set back to False for the
 parameters it just marked unless the strategy shards gradients, which is what NVIDIA/Megatron-LM
-#6357 does in that method. The rest of #6357 (FSDP units for ZeRO-1/2 in megatron-core's adapter,
-the post-forward hook kept to ZeRO-3, one reduction of unsharded buffers without
-``overlap_grad_reduce``) changes how ZeRO-1/2 communicate, not what a gradient accumulates to,
-and is not taken.
+#6357 does in that method. #6357's one reduction of unsharded buffers without
+``overlap_grad_reduce`` repairs another release defect, and is the fix ``reduce-once``
+(:mod:`.reduce_once`); the rest of it (FSDP units for ZeRO-1/2 in megatron-core's adapter, the
+post-forward hook kept to ZeRO-3) changes how ZeRO-1/2 communicate, not what a gradient adds up
+to, and is not taken.
+
+If this fix raises, the step is stopped (:class:`~mfsdp_hotfix.UnsupportedConfiguration`): going
+on would overwrite the gradients again, silently, for the rest of the job.
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ from types import ModuleType
 from typing import Any
 
 from .. import incidents
+from ..errors import UnsupportedConfiguration
 from ..patching import Undo, wrap_attribute
-from ..registry import ZERO1_ACCUMULATE
+from ..registry import ZERO1_ACCUMULATE, ZERO1_FUSED_WGRAD_OVERWRITE
 
 SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
+STOPPED = ("the step is stopped, because going on would let fused wgrad overwrite the ZeRO-1 "
+           "gradients of every later microbatch; workaround: "
+           + " or ".join(ZERO1_FUSED_WGRAD_OVERWRITE.workarounds)
+           + ". Please report this with `mfsdp-hotfix status --json`")
 
 
 def accumulates(model: Any, params: Any) -> int:
@@ -49,13 +58,15 @@ def apply(model_module: ModuleType) -> Undo:
     def after_all_gather(wrapped: Any, instance: Any, args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> Any:
         result = wrapped(*args, **kwargs)
-        if not incidents.disabled(ZERO1_ACCUMULATE.id):
-            try:
-                params = kwargs["params"] if "params" in kwargs else args[0]
-                accumulates(instance, list(params))
-            except Exception as exc:
-                incidents.report(ZERO1_ACCUMULATE.id, "all_gather_and_wait_parameters_ready",
-                                 exc)
+        try:
+            params = kwargs["params"] if "params" in kwargs else args[0]
+            accumulates(instance, list(params))
+        except Exception as exc:
+            incidents.report(ZERO1_ACCUMULATE.id, "all_gather_and_wait_parameters_ready", exc,
+                             advice=STOPPED)
+            raise UnsupportedConfiguration(
+                f"mfsdp_hotfix: {ZERO1_ACCUMULATE.id} failed ({type(exc).__name__}: {exc}); "
+                f"{STOPPED}") from exc
         return result
 
     return wrap_attribute(model_module.MegatronFSDP, "all_gather_and_wait_parameters_ready",

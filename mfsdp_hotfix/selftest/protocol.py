@@ -88,9 +88,9 @@ def verify(model: Any, protocol: str) -> None:
 
 def reduces_once(protocol: str, strategy: str, outer: int = 1) -> bool:
     """Whether the release reduces a step's gradients over all ranks once, after the last
-    microbatch, rather than once per microbatch: under ``megatron-lm``, ZeRO-1 (unsharded
-    gradients, ``strategy="optim"``) without HSDP. The reference adds in that order."""
-    return check(protocol) == MEGATRON_LM and strategy == "optim" and outer == 1
+    microbatch, rather than once per microbatch: under ``megatron-lm``, unsharded gradients
+    (ZeRO-1 ``"optim"``, ``"no_shard"``) without HSDP. The reference adds in that order."""
+    return check(protocol) == MEGATRON_LM and strategy in ("optim", "no_shard") and outer == 1
 
 
 @contextmanager
@@ -102,7 +102,7 @@ def _no_sync(model: Any) -> Iterator[None]:
 def accumulate(model: Any, protocol: str, microbatches: int,
                step: Callable[[int], None]) -> None:
     """Run ``step(index)`` (one microbatch's forward and backward) ``microbatches`` times as the
-    protocol's trainer does; the caller then calls ``finish_grad_sync()``.
+    protocol's trainer does; the caller then calls :func:`finish`.
 
     ``megatron-lm`` is megatron-core's ``forward_backward_no_pipelining``: one ``no_sync()``
     context around every microbatch but the last (entered even when there is only one, as
@@ -118,3 +118,13 @@ def accumulate(model: Any, protocol: str, microbatches: int,
         return
     for index in range(microbatches):
         step(index)
+
+
+def finish(model: Any, protocol: str) -> None:
+    """What the protocol's trainer does between the last backward and the optimizer step.
+    ``megatron-lm`` calls ``finish_grad_sync()``. Under ``auto-sync`` the release has called it
+    at the end of every backward, and ``fully_shard``'s optimizer step does not call it again
+    (``sync_grad_before_optimizer_step`` applies only without auto-sync): a second call would
+    reduce unsharded gradients again where ``overlap_grad_reduce`` is off."""
+    if check(protocol) == MEGATRON_LM:
+        model.finish_grad_sync()

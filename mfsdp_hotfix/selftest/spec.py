@@ -48,6 +48,9 @@ class CaseSpec:
     fallback: the backup allocator, or a persistent buffer).
     ``world``/``outer``: ranks, and the size of HSDP's DP-Outer dimension (1: plain FSDP over
     all ranks; more: a (outer, world/outer) mesh, DP-Outer replicated).
+    ``overlap_grad_reduce``: the ``fully_shard_model`` option (its default, True: gradients
+    reduced in the backward hooks; False: ZeRO-1 and no_shard reduce synchronously in
+    ``finish_grad_sync``; the releases force it on for ZeRO-2/3).
     ``grad_comm_dtype``: ``MixedPrecisionPolicy(grad_comm_dtype=...)`` (e.g. "bfloat16"): the
     gradients are reduced in that dtype, in buckets of its own (with HSDP, from the
     ``hsdp_grad_comm`` pool too).
@@ -78,6 +81,7 @@ class CaseSpec:
     outer: int = 1
     grad_comm_dtype: str | None = None
     protocol: str = DEFAULT_PROTOCOL
+    overlap_grad_reduce: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -100,6 +104,8 @@ class CaseSpec:
         bits.append("double buffer" if self.double_buffer else "no double buffer")
         bits.append(f"{self.units} units, {self.microbatches} microbatch(es), "
                     f"{self.protocol} protocol")
+        if not self.overlap_grad_reduce:
+            bits.append("overlap_grad_reduce=False")
         if self.grad_reduce != "scale-then-sum":
             bits.append(f"grad reduce {self.grad_reduce}")
         if self.linear != "emulated":

@@ -98,7 +98,8 @@ def _gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]],
     shards: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(shards, local)
     full = {}
-    shards = shards[:shard_ranks]  # HSDP: the first DP-Outer group's shards make a whole
+    # HSDP: the first DP-Outer group's shards make a whole; no_shard: rank 0's gradients
+    shards = shards[:shard_ranks]
     for name, shape in shapes.items():
         pieces = [s[name].reshape(-1, *shape[1:]) for s in shards if name in s]
         if not pieces:
@@ -135,7 +136,7 @@ def wrap(release: Any, module: Any, unit_cls: type, strategy: str,
          double_buffer: bool, device: Any, per_token_loss: bool = False,
          options: dict[str, Any] | None = None, outer: int = 1,
          grad_comm_dtype: str | None = None, protocol: str = accumulation.DEFAULT,
-         div_fusion: bool = False) -> Any:
+         div_fusion: bool = False, overlap_grad_reduce: bool = True) -> Any:
     """``fully_shard_model`` over all ranks of the default group, as a (ranks, 1) dp/tp mesh
     (megatron-fsdp 0.5.x needs a registered TP submesh), with the options this release accepts;
     ``options`` must all be accepted. ``outer`` > 1: HSDP, an (outer, ranks/outer, 1) mesh.
@@ -144,7 +145,8 @@ def wrap(release: Any, module: Any, unit_cls: type, strategy: str,
     ``protocol``: the accumulation protocol the caller will drive (``protocol.accumulate``); it
     sets ``sync_model_each_microbatch``, which the release must accept.
     ``div_fusion``: keep the release's ``gradient_reduce_div_fusion=True`` (PREMUL_SUM: on gloo
-    only with ``premul.install()``); False scales the buffer, then reduces with SUM."""
+    only with ``premul.install()``); False scales the buffer, then reduces with SUM.
+    ``overlap_grad_reduce``: False reduces ZeRO-1 / no_shard gradients in ``finish_grad_sync``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -176,6 +178,9 @@ def wrap(release: Any, module: Any, unit_cls: type, strategy: str,
     }
     accepted = inspect.signature(fully_shard_model).parameters
     required = {**hybrid, **accumulation.wrap_options(protocol), **(options or {})}
+    if not overlap_grad_reduce:  # a setting studied, so a release without it fails the case
+        wanted.pop("overlap_grad_reduce")
+        required["overlap_grad_reduce"] = False
     unknown = sorted(set(required) - set(accepted))
     if unknown:
         raise TypeError(f"this release's fully_shard_model has no option {', '.join(unknown)}")
@@ -293,7 +298,7 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
         fsdp = wrap(fully_shard, net, model_lib.Unit, spec.strategy, spec.double_buffer,
                     torch.device("cpu"), spec.grad_reduce == "per-token", spec.options,
                     spec.outer, spec.grad_comm_dtype, spec.protocol,
-                    spec.grad_reduce == "premul-sum")
+                    spec.grad_reduce == "premul-sum", spec.overlap_grad_reduce)
         if spec.hotfix == "late":
             import mfsdp_hotfix
 
@@ -313,11 +318,11 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
                            world).backward()
 
             accumulation.accumulate(fsdp, spec.protocol, spec.microbatches, microbatch)
-            fsdp.finish_grad_sync()
+            accumulation.finish(fsdp, spec.protocol)
             named = dict(fsdp.module.named_parameters())
             grads = _gather_full({n: p.grad for n, p in named.items()},
                                  {n: tuple(p.shape) for n, p in named.items()},
-                                 world // spec.outer)
+                                 1 if spec.strategy == "no_shard" else world // spec.outer)
             for name in sorted(grads):
                 digest.update(name.encode())
                 digest.update(grads[name].contiguous().numpy().tobytes())

@@ -49,6 +49,29 @@ def test_an_unwritable_path_gives_one_warning_and_the_job_goes_on(
     assert line.startswith("mfsdp_hotfix audit, 1 rank: NOT CHECKED: 0 unordered of 0 ")
 
 
+def test_an_unwritable_path_is_told_when_the_audit_is_armed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Probed by creating a file when armed (as root os.access says yes to anything), so the
+    warning comes before the job trains, not after it."""
+    caplog.set_level(logging.INFO, logger="mfsdp_hotfix")
+    (tmp_path / "file").write_text("")
+    state = _audit(str(tmp_path / "file" / "audit"))
+    state._probe()
+    (warning,) = _warnings(caplog)
+    assert warning.startswith(f"mfsdp_hotfix: audit-report failed in writing {tmp_path}/file/"
+                              "audit.rank<N>.json (OSError: ") and "is not a folder" in warning
+    state.steps = 1
+    state.write()
+    state.finish()
+    line = _warnings(caplog)[-1]
+    assert len(_warnings(caplog)) == 2 and line.endswith(
+        f"no rank file could be written at {tmp_path}/file/audit on ranks 0 (their warning says "
+        "why)"), line
+    incidents._failed.clear()
+    _audit(str(tmp_path / "ok" / "audit"))._probe()  # its folder is made, the probe removed
+    assert not incidents.disabled(audit.REPORT) and list((tmp_path / "ok").iterdir()) == []
+
+
 class _FailingStore:
     def set(self, key: str, value: str) -> None:
         raise RuntimeError("store is gone")

@@ -62,6 +62,38 @@ def test_job_line(found: dict[int, dict[str, int]], verdict: str, words: str) ->
     assert got == verdict and words in line and "/p/audit.rank*.json" in line
 
 
+def test_the_job_line_says_when_no_rank_could_write_its_file() -> None:
+    """Its counts stand, but it points at no file that is not there."""
+    totals = {"reuses": 4, "unordered": 0, "crashed": 0, "unwritten": 1}
+    verdict, line = report.job_line({0: totals, 1: totals}, 2, "/proc/x", 5.0)
+    assert verdict == "ordered" and line.endswith(
+        "; no rank file could be written at /proc/x on ranks 0,1 (their warning says why)"), line
+    _, line = report.job_line({0: totals, 1: {**totals, "unwritten": 0}}, 2, "/p/a", 5.0)
+    assert line.endswith("on ranks 0 (their warning says why) (details: /p/a.rank*.json)"), line
+
+
+@pytest.mark.parametrize(("where", "words"), [
+    ("/proc/x", "cannot create a file in /proc ("),  # a folder nobody can create files in
+    ("file/run1", "/file is not a folder"),
+    ("new/deeper/run1", None),  # created when the files are written: probed where it would be
+    ("run1", None),
+])
+def test_probe_creates_a_file_and_removes_it(tmp_path: Path, where: str, words: str | None
+                                            ) -> None:
+    (tmp_path / "file").write_text("")
+    path = where if where.startswith("/") else str(tmp_path / where)
+    problem = report.probe(path)
+    assert (problem is None) == (words is None) and (words is None or words in problem), problem
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing left behind
+
+
+def test_no_rank_file_where_none_can_be_written_is_unwritable_not_no_data() -> None:
+    verdict, lines = report.summarise({}, "/proc/x", "cannot create a file in /proc (...)")
+    assert verdict == "UNWRITABLE" and lines == [
+        "no rank file /proc/x.rank<N>.json: cannot create a file in /proc (...)"]
+    assert report.summarise({}, "/p/a")[0] == "NO DATA"
+
+
 def test_exchange_through_a_store() -> None:
     torch_distributed = pytest.importorskip("torch.distributed")
     store = torch_distributed.HashStore()
@@ -147,17 +179,21 @@ def test_a_copy_that_built_no_pool_does_not_hide_another_copys_result() -> None:
 
 @pytest.mark.parametrize(("verdict", "command", "status"), [
     ("ordered", 0, 0), ("UNORDERED", 0, 3), ("CRASH", 0, 3), ("UNWATCHED", 0, 4),
-    ("INCOMPLETE", 0, 4), ("NOT CHECKED", 0, 4), ("NO DATA", 0, 4), ("ordered", 2, 2),
-    ("NOT CHECKED", 1, 1), ("CRASH", -9, 137)])
+    ("INCOMPLETE", 0, 4), ("NOT CHECKED", 0, 4), ("UNWRITABLE", 0, 4), ("NO DATA", 0, 4),
+    ("ordered", 2, 2), ("NOT CHECKED", 1, 1), ("NO DATA", -9, 137),
+    # a finding is 3 whatever the command did: a crash fails the command, and is the finding
+    ("CRASH", 1, 3), ("UNORDERED", -9, 3)])
 def test_exit_status_follows_the_verdict(verdict: str, command: int, status: int) -> None:
     assert report.exit_status(verdict, command) == status
     assert (report.VERDICTS[verdict][2] == 0) == (verdict == "ordered")
 
 
-def test_docs_audit_md_lists_every_verdict_with_its_exit_status() -> None:
+def test_docs_audit_md_lists_every_verdict_and_links_the_exit_statuses() -> None:
+    """The exit statuses live in one place, docs/CLI.md (its numbers are claims of the code's
+    constants, tests/claims.py); AUDIT.md lists the verdicts in their order and links there."""
     text = (Path(__file__).resolve().parents[2] / "docs" / "AUDIT.md").read_text()
-    table = text.split("| verdict | meaning | what to do | exit status |", 1)[1]
+    table = text.split("| verdict | meaning | what to do |", 1)[1]
     rows = [line.split("|") for line in table.strip().splitlines()[1:]
             if line.startswith("| `")]
-    assert [(row[1].strip().strip("`"), int(row[4])) for row in rows] == [
-        (verdict, status) for verdict, (_, _, status) in report.VERDICTS.items()]
+    assert [row[1].strip().strip("`") for row in rows] == list(report.VERDICTS)
+    assert '[CLI.md, "Exit statuses"](CLI.md#exit-statuses)' in " ".join(text.split())

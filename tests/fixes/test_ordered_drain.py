@@ -57,3 +57,22 @@ def test_a_pool_without_a_slot_count_is_an_error() -> None:
     buffer.main_grad_alloc.size = None
     with pytest.raises(TypeError, match="size is None, not a slot count"):
         ordered_drain.pool_size_of(buffer)
+
+
+def test_one_slot_drains_every_other_unit_before_the_incoming_one() -> None:
+    """N=1 (PR #6316's config refuses fsdp_buffer_count < 2; a pool built with one slot anyway):
+    the incoming unit takes the only slot, so every queued reduce-scatter of another unit is
+    waited on, and a second incoming unit trips the pool-limit assert."""
+    assert ordered_drain.entries_to_keep(pipeline(1, [0, 1, 2]), [3]) == 0
+    # the newest entry is the incoming unit's own (its slot): only it may stay in flight
+    assert ordered_drain.entries_to_keep(pipeline(1, [0, 3]), [3]) == 1
+    # retiring is oldest first: another unit queued after it means retiring both
+    assert ordered_drain.entries_to_keep(pipeline(1, [3, 0]), [3]) == 0
+    with pytest.raises(AssertionError, match="more than the pool's 1 slots"):
+        ordered_drain.entries_to_keep(pipeline(1, []), [0, 1])
+
+
+def test_more_slots_than_units_never_waits() -> None:
+    """N larger than the number of units: every unit has a slot of its own, nothing is retired."""
+    assert ordered_drain.entries_to_keep(pipeline(8, [0, 1, 2, 3, 4]), [5]) == 5
+    assert ordered_drain.entries_to_keep(pipeline(8, []), [0, 1, 2, 3, 4, 5]) == 0

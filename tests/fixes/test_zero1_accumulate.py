@@ -63,6 +63,36 @@ def test_undoes_the_attribute_only_where_gradients_are_not_sharded() -> None:
         assert param.overwrite_main_grad is True
 
 
+def test_a_failure_mid_run_stops_every_step_instead_of_switching_the_fix_off() -> None:
+    """Switched off, the release would overwrite ZeRO-1 gradients again, silently."""
+    from types import ModuleType
+
+    from mfsdp_hotfix import UnsupportedConfiguration
+
+    class MegatronFSDP:
+        data_parallel_sharding_strategy = "optim"
+
+        def all_gather_and_wait_parameters_ready(self, params: Any) -> str:
+            return "gathered"
+
+    module = ModuleType("fake_model_module")
+    module.MegatronFSDP = MegatronFSDP  # type: ignore[attr-defined]
+    undo = zero1_accumulate.apply(module)
+    try:
+        model = MegatronFSDP()
+        param = SimpleNamespace(overwrite_main_grad=True)
+        assert model.all_gather_and_wait_parameters_ready([param]) == "gathered"
+        assert param.overwrite_main_grad is False
+        for _ in range(2):  # not a single warning and then the shipped behaviour
+            with pytest.raises(UnsupportedConfiguration, match="zero1-accumulate failed"):
+                model.all_gather_and_wait_parameters_ready(params=object())
+        param.overwrite_main_grad = True
+        model.all_gather_and_wait_parameters_ready([param])
+        assert param.overwrite_main_grad is False
+    finally:
+        undo()
+
+
 ALWAYS = '''
 def all_gather_and_wait_parameters_ready(self, params):
     for param in params:
@@ -80,16 +110,34 @@ def all_gather_and_wait_parameters_ready(self, params):
 '''
 
 
+UPSTREAM = '''
+def all_gather_and_wait_parameters_ready(self, params):
+    for param in params:
+        param.overwrite_main_grad = self.data_parallel_sharding_strategy in [
+            "optim_grads",
+            "optim_grads_params",
+        ]
+'''
+NOT_NO_SHARD = DECIDES.replace('in ["optim_grads"]', '!= "no_shard"')
+NOT_UNSHARDED = DECIDES.replace('in ["optim_grads"]', 'not in ("optim", "no_shard")')
+PER_PARAMETER = DECIDES.replace('self.data_parallel_sharding_strategy in ["optim_grads"]',
+                                "param._grad_sharded")
+
+
 @pytest.mark.parametrize(("source", "always", "decides"), [
-    (ALWAYS, True, False), (DECIDES, False, True), (SILENT, False, False)],
-    ids=["always", "decides", "silent"])
+    (ALWAYS, True, False), (UPSTREAM, False, True), (NOT_UNSHARDED, False, True),
+    (DECIDES, False, False), (NOT_NO_SHARD, False, False), (PER_PARAMETER, False, False),
+    (SILENT, False, False)],
+    ids=["always", "upstream", "other-words", "zero3-left-out", "true-for-zero1",
+         "per-parameter", "silent"])
 def test_fork_shapes(source: str, always: bool, decides: bool) -> None:
     assert structure.always_overwrites_main_grad(source) is always
     assert structure.decides_overwrite_main_grad(source) is decides
 
 
 def test_the_defect_is_the_fixs() -> None:
-    (defect,) = registry.RELEASE_DEFECTS
+    defect = registry.ZERO1_FUSED_WGRAD_OVERWRITE
+    assert defect in registry.RELEASE_DEFECTS
     assert defect.name == "zero1-fused-wgrad-overwrite" and defect.fix in registry.FIX_IDS
     assert registry.defects_of({defect.fix: "off"}) == [defect]
     assert registry.defects_of({defect.fix: "not needed"}) == []
@@ -140,3 +188,29 @@ def test_nvidia_main_is_not_patched_and_exact() -> None:
     report = run_job(tree, True, strategy="optim", microbatches=2)
     assert fix_state(report) == "not needed"
     assert fields(report) == ("exact", {False}), report["comparison"]
+
+
+@pytest.mark.slow
+def test_an_unverified_fix_refuses_to_build_a_zero1_model(tmp_path: Path) -> None:
+    """A copy whose overwrite_main_grad setter is a shape the hotfix does not know: the fix is
+    unverified, and building a ZeRO-1 model raises instead of training with the defect."""
+    import shutil
+
+    from mfsdp_hotfix.selftest.runner import run_case
+    from mfsdp_hotfix.selftest.spec import CaseSpec
+
+    root = tmp_path / "site"
+    shutil.copytree(releases.unpacked("megatron-fsdp", "0.6.1"), root)
+    model = root / "megatron_fsdp" / "megatron_fsdp.py"
+    text = model.read_text()
+    assert text.count("param.overwrite_main_grad = True") == 1
+    model.write_text(text.replace("param.overwrite_main_grad = True",
+                                  "param.overwrite_main_grad = bool(param.requires_grad)"))
+    spec = CaseSpec(flavour="standalone", path=str(root), double_buffer=False, units=3,
+                    strategy="optim")
+    result = run_case(spec)
+    assert result.crashed and "UnsupportedConfiguration" in (result.exception or ""), (
+        result.exception)
+    assert "zero1-accumulate is unverified" in (result.exception or "")
+    sharded = run_case(CaseSpec(**{**spec.__dict__, "strategy": "optim_grads"}))
+    assert not sharded.crashed and sharded.max_abs_grad_error == 0.0, sharded.exception

@@ -37,12 +37,19 @@ RECORD = releases.REPO / "docs" / "accumulation.json"
 
 # Names of what was found (docs/ACCUMULATION.md), used by the configuration matrix too.
 ZERO1_OVERWRITE = "zero1-fused-wgrad-overwrite"
+REDUCED_TWICE = "unsharded-grads-reduced-twice"
 AUTO_SYNC_ACCUMULATION = "auto-sync-accumulation"
+# The hotfix's fix for each release cause.
+REPAIRED_BY = {ZERO1_OVERWRITE: "zero1-accumulate", REDUCED_TWICE: "reduce-once"}
 CAUSES = {
     ZERO1_OVERWRITE: "release: zero1-fused-wgrad-overwrite (megatron-fsdp sets "
                      "overwrite_main_grad for ZeRO-1 too, so each microbatch's fused wgrad "
                      "overwrites the accumulated gradient; fixed upstream by "
                      "NVIDIA/Megatron-LM #6357)",
+    REDUCED_TWICE: "release: unsharded-grads-reduced-twice (with overlap_grad_reduce=False the "
+                   "backward hooks reduce ZeRO-1's / no_shard's buffer on the last microbatch "
+                   "and finish_grad_sync reduces it again; fixed upstream by NVIDIA/Megatron-LM "
+                   "#6357)",
     AUTO_SYNC_ACCUMULATION: "harness: auto-sync-accumulation (sync_model_each_microbatch=True "
                             "reduces ZeRO-1's buffer / HSDP's DP-Outer after every microbatch "
                             "in place; the release warns that the buffer must then be zeroed "
@@ -50,7 +57,8 @@ CAUSES = {
                             "does not do this)",
 }
 
-STRATEGIES = {"zero1": {"strategy": "optim"}, "zero2": {"strategy": "optim_grads"},
+STRATEGIES = {"no_shard": {"strategy": "no_shard"},
+              "zero1": {"strategy": "optim"}, "zero2": {"strategy": "optim_grads"},
               "zero3": {"strategy": "optim_grads_params"},
               "hsdp": {"strategy": "optim_grads_params", "world": 4, "outer": 2}}
 
@@ -64,28 +72,33 @@ class Case:
     grad_reduce: str = "scale-then-sum"
     microbatches: int = 2
     grad_comm_dtype: str | None = None
+    overlap_grad_reduce: bool = True
+    hotfix: str = "off"
 
     @property
     def id(self) -> str:
         bits = [self.release, self.layout, self.protocol, self.linear, self.grad_reduce,
                 f"{self.microbatches}mb"] + ([self.grad_comm_dtype] if self.grad_comm_dtype
                                              else [])
+        bits += ([] if self.overlap_grad_reduce else ["no-overlap"]) + (
+            [] if self.hotfix == "off" else [f"hotfix-{self.hotfix}"])
         return "/".join(bits)
 
     def spec(self) -> CaseSpec:
         path = (releases.git_tree(self.release[4:]) if self.release.startswith("git:")
                 else releases.unpacked("megatron-fsdp", self.release))
-        return CaseSpec(flavour="standalone", path=str(path) if path else None, hotfix="off",
-                        double_buffer=False, units=6, protocol=self.protocol,
-                        linear=self.linear, grad_reduce=self.grad_reduce,
-                        microbatches=self.microbatches, grad_comm_dtype=self.grad_comm_dtype,
-                        **STRATEGIES[self.layout])
+        return CaseSpec(flavour="standalone", path=str(path) if path else None,
+                        hotfix=self.hotfix, double_buffer=False, units=6,
+                        protocol=self.protocol, linear=self.linear,
+                        grad_reduce=self.grad_reduce, microbatches=self.microbatches,
+                        grad_comm_dtype=self.grad_comm_dtype,
+                        overlap_grad_reduce=self.overlap_grad_reduce, **STRATEGIES[self.layout])
 
 
 def _grid() -> tuple[Case, ...]:
     cases: list[Case] = []
     both = (MEGATRON_LM, AUTO_SYNC)
-    for layout in STRATEGIES:
+    for layout in [layout for layout in STRATEGIES if layout != "no_shard"]:
         linears = ("emulated", "unfused") if layout in ("zero1", "hsdp") else ("emulated",)
         for protocol in both:
             for linear in linears:
@@ -102,6 +115,33 @@ def _grid() -> tuple[Case, ...]:
             for protocol in both:
                 cases.append(Case(release, layout, protocol))
         cases.append(Case(release, "zero1", MEGATRON_LM, "unfused"))
+    # Unsharded gradients without overlap_grad_reduce, as shipped (NVIDIA main: the control;
+    # no_shard with the SUM reduction of calculate_per_token_loss, "per-token", and averaging)
+    for release in ("0.3.1", "0.4.0", "0.6.1", "git:main"):
+        cases += [Case(release, "zero1", MEGATRON_LM, linear, microbatches=n,
+                       overlap_grad_reduce=False)
+                  for linear in ("emulated", "unfused") for n in (1, 2)
+                  if release == "0.6.1" or (linear, n) == ("emulated", 2)]
+        cases += [Case(release, "no_shard", MEGATRON_LM, grad_reduce=grad_reduce,
+                       overlap_grad_reduce=False)
+                  for grad_reduce in ("per-token", "scale-then-sum")
+                  if release == "0.6.1" or grad_reduce == "per-token"]
+    # ... and with the hotfix: ZeRO-1 and no_shard (SUM), overlap on and off, 1 and 2
+    # microbatches, fused and plain, both protocols, on 0.6.1; overlap off on 0.3.1, 0.4.0 and
+    # 0.5.1 (megatron-core 0.16-0.18 ship the same files).
+    for layout, grad_reduce in (("zero1", "scale-then-sum"), ("no_shard", "per-token")):
+        for overlap in (True, False):
+            cases += [Case("0.6.1", layout, protocol, linear, grad_reduce, n,
+                           overlap_grad_reduce=overlap, hotfix="on")
+                      for protocol, linear, n in ((MEGATRON_LM, "emulated", 1),
+                                                  (MEGATRON_LM, "emulated", 2),
+                                                  (MEGATRON_LM, "unfused", 1),
+                                                  (MEGATRON_LM, "unfused", 2),
+                                                  (AUTO_SYNC, "emulated", 1),
+                                                  (AUTO_SYNC, "unfused", 1))]
+            cases += [Case(release, layout, MEGATRON_LM, "emulated", grad_reduce,
+                           overlap_grad_reduce=False, hotfix="on")
+                      for release in ("0.3.1", "0.4.0", "0.5.1") if not overlap]
     return tuple(cases)
 
 
@@ -135,10 +175,14 @@ def causes(case: Case, grads_equal: bool) -> list[str]:
     if grads_equal:
         return []
     found = []
-    if (case.layout == "zero1" and case.linear == "emulated" and case.release != "git:main"
+    shipped = case.release != "git:main" and case.hotfix == "off"
+    if (shipped and case.layout == "zero1" and case.linear == "emulated"
             and case.microbatches > 1):
         found.append(ZERO1_OVERWRITE)
-    if case.protocol == AUTO_SYNC and case.layout in ("zero1", "hsdp") and case.microbatches > 1:
+    if shipped and case.layout in ("zero1", "no_shard") and not case.overlap_grad_reduce:
+        found.append(REDUCED_TWICE)
+    if (case.protocol == AUTO_SYNC and case.layout in ("zero1", "no_shard", "hsdp")
+            and case.microbatches > 1):
         found.append(AUTO_SYNC_ACCUMULATION)
     return found
 

@@ -63,7 +63,9 @@ MAXPOOL = {"maxpool_double_buffer": True}
 # with fused wgrad differs from the reference on the releases (zero1-fused-wgrad-overwrite) and
 # why the auto-sync controls do (auto-sync-accumulation).
 OVERWRITE = (accumulation.ZERO1_OVERWRITE,)
+TWICE = (accumulation.REDUCED_TWICE,)
 AUTO = (accumulation.AUTO_SYNC_ACCUMULATION,)
+NO_OVERLAP = {"overlap_grad_reduce": False}
 CONFIGURATIONS = (
     Configuration("fixedpool-zero3", "0.6.1", "FixedPoolAllocator, ZeRO-3", FIXED),
     Configuration("maxpool-zero3", "0.6.1", "MaxPoolAllocator (maxpool_double_buffer=True), "
@@ -84,6 +86,9 @@ CONFIGURATIONS = (
                   "sizes its slots for it)", FIXED, {"wide_units": 1, "options": MAXPOOL}),
     Configuration("zero1", "0.6.1", "FixedPoolAllocator built, ZeRO-1 (gradients not "
                   "sharded)", NOT_CHECKED, {"strategy": "optim"}, OVERWRITE),
+    Configuration("zero1-no-overlap", "0.6.1", "FixedPoolAllocator built, ZeRO-1, "
+                  "overlap_grad_reduce=False", NOT_CHECKED, {"strategy": "optim", **NO_OVERLAP},
+                  OVERWRITE + TWICE),
     Configuration("zero1-1mb", "0.6.1", "control: ZeRO-1 as above, 1 microbatch (nothing "
                   "accumulated)", NOT_CHECKED, {"strategy": "optim", "microbatches": 1}),
     Configuration("hsdp", "0.6.1", "HSDP: 4 ranks, DP-Outer 2 x DP-Shard 2, ZeRO-3 "
@@ -127,6 +132,18 @@ CONFIGURATIONS = (
     Configuration("control-zero1-2mb", "0.6.1", "control: ZeRO-1, "
                   "fsdp_double_buffer=False", CONTROL,
                   {"strategy": "optim", "double_buffer": False}, OVERWRITE),
+    Configuration("control-zero1-2mb-no-overlap", "0.6.1", "control: ZeRO-1, "
+                  "fsdp_double_buffer=False, overlap_grad_reduce=False", CONTROL,
+                  {"strategy": "optim", "double_buffer": False, **NO_OVERLAP},
+                  OVERWRITE + TWICE),
+    Configuration("control-no_shard-2mb", "0.6.1", "control: no_shard, "
+                  "fsdp_double_buffer=False", CONTROL,
+                  {"strategy": "no_shard", "double_buffer": False}),
+    Configuration("control-no_shard-2mb-no-overlap-sum", "0.6.1", "control: no_shard, "
+                  "fsdp_double_buffer=False, overlap_grad_reduce=False, SUM reduction "
+                  "(calculate_per_token_loss)", CONTROL,
+                  {"strategy": "no_shard", "double_buffer": False, "grad_reduce": "per-token",
+                   **NO_OVERLAP}, TWICE),
     Configuration("control-hsdp-2mb", "0.6.1", "control: HSDP, "
                   "fsdp_double_buffer=False", CONTROL,
                   {"world": 4, "outer": 2, "double_buffer": False}),
@@ -188,10 +205,10 @@ def _refusal(log: str) -> str | None:
 
 
 def _causes(row: Configuration, copy: dict[str, Any]) -> tuple[str, ...]:
-    """The row's causes that can explain this run: the hotfix's zero1-accumulate, when applied,
-    repairs zero1-fused-wgrad-overwrite."""
-    repaired = "zero1-accumulate" in (copy.get("fixes") or [])
-    return tuple(c for c in row.cause if not (repaired and c == accumulation.ZERO1_OVERWRITE))
+    """The row's causes that can explain this run: a release cause is repaired where the
+    hotfix applied its fix (``accumulation.REPAIRED_BY``)."""
+    applied = copy.get("fixes") or []
+    return tuple(c for c in row.cause if accumulation.REPAIRED_BY.get(c) not in applied)
 
 
 def _run(result: CaseResult, row: Configuration) -> dict[str, Any]:

@@ -37,7 +37,8 @@ def test_selftest_audit_agrees_with_the_stand_in_on_0_5_1() -> None:
     assert {k: copy[k] for k in ("package", "version", "era", "fixes", "audited", "unordered",
                                  "first_unordered", "crashed")} == {
         "package": "megatron_fsdp", "version": "0.5.1", "era": "B",
-        "fixes": ["getter-guard", "ordered-drain", "zero1-accumulate"], "audited": True,
+        "fixes": ["getter-guard", "ordered-drain", "reduce-once", "zero1-accumulate"],
+        "audited": True,
         "unordered": 0,
         "first_unordered": None, "crashed": False}
     assert written["final"] is True and written["world_size"] == 2
@@ -147,3 +148,26 @@ def test_a_gradient_pool_of_an_allocator_the_audit_does_not_know_is_unwatched(
            "(NewPoolAllocator) built from a class the audit does not watch]" in out.stdout, text
     assert out.stdout.splitlines()[-1].startswith("audit: UNWATCHED: "), text
     assert "mfsdp_hotfix audit, 2 ranks: UNWATCHED" in text, text[-4000:]
+
+
+def test_the_example_job_crashing_as_shipped_is_the_releases_crash_and_exit_3(
+        tmp_path: Path) -> None:
+    """examples/train_fsdp.py on megatron-fsdp 0.4.0 with MFSDP_HOTFIX=0, as docs/AUDIT.md runs
+    it: the job fails, and a finding still exits 3; under the traceback, whose frames between
+    the caller and the release are the audit's observer, and that the error is the release's."""
+    out = run_python(
+        "", Path(release_path("megatron-fsdp", "0.4.0")),
+        env={"MFSDP_HOTFIX": "0", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
+        args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "shipped"), "--",
+              sys.executable, "-m", "torch.distributed.run", "--standalone",
+              "--nproc-per-node", "2", str(REPO / "examples" / "train_fsdp.py")))
+    text = out.stdout + out.stderr
+    assert out.returncode == 3, text[-4000:]
+    assert out.stdout.splitlines()[-1].startswith(
+        "audit: CRASH: the release's double buffer crashed ('No buffer found for bucket_id', era "
+        "A): Megatron-FSDP's own code raised it"), text[-4000:]
+    assert "mfsdp_hotfix/slot_reuse.py" in out.stderr, out.stderr[-4000:]
+    assert ("mfsdp_hotfix: this error was raised by Megatron-FSDP's own "
+            "FixedPoolAllocator.allocate (the release's code). The frames of "
+            "mfsdp_hotfix/patching.py and mfsdp_hotfix/slot_reuse.py above are the on-the-job "
+            "audit (MFSDP_HOTFIX_AUDIT), which watches") in out.stderr, out.stderr[-4000:]

@@ -30,11 +30,12 @@ NO_TORCH = "import sys; sys.modules['torch'] = None; from mfsdp_hotfix.cli impor
 
 # ---- the CLI route, in the form users type it
 
-def test_gpu_selftest_without_a_gpu_says_fail_and_what_to_do() -> None:
+def test_gpu_selftest_without_a_gpu_says_cannot_run_and_what_to_do() -> None:
     proc = run_python("", env=NO_GPU, args=("-m", "mfsdp_hotfix", "selftest", "--gpu"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("selftest: FAIL: cannot run the GPU selftest here: no CUDA GPU")
+    assert last.startswith("selftest: CANNOT RUN: the GPU selftest cannot run here: no CUDA GPU")
+    assert "FAIL" not in proc.stdout  # the word of a failed fix only
     assert "run `mfsdp-hotfix selftest` (CPU)" in last
     assert "Traceback" not in proc.stdout + proc.stderr
 
@@ -44,7 +45,7 @@ def test_gpu_selftest_json_without_a_gpu() -> None:
                       args=("-m", "mfsdp_hotfix", "selftest", "--gpu", "--json"))
     assert proc.returncode == 2
     data = json.loads(proc.stdout)
-    assert data["verdict"] == "FAIL" and data["mode"] == "gpu"
+    assert data["verdict"] == "CANNOT RUN" and data["mode"] == "gpu"
     assert data["cannot_run"].startswith("no CUDA GPU")
     assert proc.stderr.strip().splitlines()[-1] == data["conclusion"]
 
@@ -52,10 +53,10 @@ def test_gpu_selftest_json_without_a_gpu() -> None:
 def test_gpu_selftest_without_torch() -> None:
     proc = run_python("", args=("-c", NO_TORCH, "selftest", "--gpu"))
     assert proc.returncode == 2
-    assert proc.stdout.strip() == ("selftest: FAIL: cannot run the GPU selftest here: no torch in "
-                                   "this environment. It needs this environment's torch with "
-                                   "CUDA and at least one visible GPU; without a GPU, run "
-                                   "`mfsdp-hotfix selftest` (CPU)")
+    assert proc.stdout.strip() == ("selftest: CANNOT RUN: the GPU selftest cannot run here: no "
+                                   "torch in this environment. It needs this environment's "
+                                   "torch with CUDA and at least one visible GPU; without a "
+                                   "GPU, run `mfsdp-hotfix selftest` (CPU)")
 
 
 def test_gpu_options_need_gpu() -> None:

@@ -29,6 +29,9 @@ class Recorder:
     def step(self, index: int) -> None:
         self.events.append(f"mb{index}{'-nosync' if self.in_no_sync else ''}")
 
+    def finish_grad_sync(self) -> None:
+        self.events.append("finish")
+
 
 @pytest.mark.parametrize("count", [1, 2, 4])
 def test_megatron_lm_runs_all_but_the_last_microbatch_in_one_no_sync(count: int) -> None:
@@ -66,9 +69,22 @@ def test_the_model_must_be_built_for_the_protocol() -> None:
         protocol.accumulate(Recorder(), "megatron-lm", 0, lambda index: None)
 
 
-def test_only_megatron_lm_zero1_without_hsdp_reduces_once() -> None:
+def test_only_megatron_lm_unsharded_without_hsdp_reduces_once() -> None:
     assert protocol.reduces_once("megatron-lm", "optim")
+    assert protocol.reduces_once("megatron-lm", "no_shard")
     assert not protocol.reduces_once("megatron-lm", "optim", outer=2)
     assert not protocol.reduces_once("megatron-lm", "optim_grads_params")
     assert not protocol.reduces_once("auto-sync", "optim")
     assert protocol.DEFAULT == "megatron-lm"
+
+
+def test_only_megatron_lm_finishes_the_sync_itself() -> None:
+    """Under auto-sync the release finished it after the last backward, and fully_shard's
+    optimizer step does not call it again (a second call reduces unsharded gradients again
+    without overlap_grad_reduce)."""
+    model = Recorder()
+    protocol.finish(model, "megatron-lm")
+    assert model.events == ["finish"]
+    auto = Recorder(auto_sync=True)
+    protocol.finish(auto, "auto-sync")
+    assert auto.events == []

@@ -1,0 +1,187 @@
+"""``reduce-once`` and the release defect it repairs, ``unsharded-grads-reduced-twice``: how the
+need is recognised (what the hooks' reduction condition yields), what the fix does to the
+pipeline, and, on the real library, ZeRO-1 / no_shard with ``overlap_grad_reduce=False``."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import releases
+import torch
+
+from mfsdp_hotfix import detection, fingerprints, registry, structure
+from mfsdp_hotfix.fixes import reduce_once
+from mfsdp_hotfix.selftest.runner import run_case
+from mfsdp_hotfix.selftest.spec import CaseSpec
+
+RELEASE_CONDITION = "if grad_reduce_every_bprop or is_last_microbatch or self.model_auto_sync:"
+
+
+def pipeline(strategy: str, overlap: bool) -> Any:
+    config = SimpleNamespace(data_parallel_sharding_strategy=strategy,
+                             overlap_grad_reduce=overlap)
+    return SimpleNamespace(buffer=SimpleNamespace(ddp_config=config))
+
+
+BOTH = frozenset({"optim", "no_shard"})
+
+
+@pytest.mark.parametrize(("strategy", "overlap", "strategies", "skipped"), [
+    ("optim", False, BOTH, True), ("no_shard", False, BOTH, True), ("optim", True, BOTH, False),
+    ("no_shard", True, BOTH, False), ("optim_grads", True, BOTH, False),
+    ("optim_grads_params", True, BOTH, False), ("optim_grads", False, BOTH, False),
+    ("no_shard", False, frozenset({"optim"}), False), ("optim", False, frozenset(), False)])
+def test_the_hooks_leave_the_pipeline_alone_only_where_finish_grad_sync_reduces(
+        strategy: str, overlap: bool, strategies: frozenset[str], skipped: bool) -> None:
+    assert reduce_once.reduced_in_finish_grad_sync(pipeline(strategy, overlap),
+                                                   strategies) is skipped
+
+
+class ParamAndGradBuffer:
+    """As megatron-fsdp 0.3.0-0.4.0: the reduce-scatter reduces, the all-reduce skips every
+    buffer (its inverted guard)."""
+
+    def reduce_scatter_gradients(self, async_op=True):  # type: ignore[no-untyped-def]
+        for g in self.parameter_groups:  # type: ignore[attr-defined]
+            gbuf = g.main_grad_buffer
+            if gbuf is None:
+                continue
+            torch.distributed.reduce_scatter_tensor(gbuf.get_shard_from_local_buffer(), gbuf.data)
+
+    def all_reduce_gradients(self, async_op=False):  # type: ignore[no-untyped-def]
+        for g in self.parameter_groups:  # type: ignore[attr-defined]
+            gbuf = g.main_grad_buffer
+            if gbuf is not None:
+                continue
+            torch.distributed.all_reduce(gbuf.data)
+
+
+def test_apply_defers_only_the_strategies_whose_synchronous_reduction_reduces() -> None:
+    calls: list[str] = []
+
+    class GradReducePipeline:
+        def __init__(self, strategy: str, overlap: bool) -> None:
+            self.buffer = pipeline(strategy, overlap).buffer
+
+        def reduce_gradients(self, params: list[int]) -> str:
+            calls.append("reduce")
+            return "reduced"
+
+        def reset(self) -> None:
+            calls.append("reset")
+
+    module = ModuleType("fake_buffer_module")
+    module.GradReducePipeline = GradReducePipeline  # type: ignore[attr-defined]
+    module.ParamAndGradBuffer = ParamAndGradBuffer  # type: ignore[attr-defined]
+    assert reduce_once.reducing_strategies(ParamAndGradBuffer) == {"optim"}
+    originals = dict(GradReducePipeline.__dict__)
+    undo = reduce_once.apply(module)
+    zero1 = GradReducePipeline("optim", False)
+    assert zero1.reduce_gradients([1]) is None and zero1.reset() is None and calls == []
+    no_shard = GradReducePipeline("no_shard", False)  # its all-reduce reduces nothing: kept
+    assert no_shard.reduce_gradients([1]) == "reduced"
+    overlapped = GradReducePipeline("optim", True)
+    assert overlapped.reduce_gradients([1]) == "reduced"
+    overlapped.reset()
+    assert calls == ["reduce", "reduce", "reset"]
+    assert undo() is True
+    assert all(GradReducePipeline.__dict__[name] is originals[name]
+               for name in ("reduce_gradients", "reset"))
+
+
+def hooks_source(release: Path) -> str:
+    model = next(release.rglob("megatron_fsdp.py"))
+    return fingerprints.parse_file(model).source(registry.HOOKS)
+
+
+@pytest.mark.parametrize(("dist", "version", "needed"), [
+    ("megatron-fsdp", "0.1.0", False), ("megatron-fsdp", "0.2.3", False),
+    ("megatron-fsdp", "0.3.1", True), ("megatron-fsdp", "0.4.0", True),
+    ("megatron-fsdp", "0.5.1", True), ("megatron-fsdp", "0.6.1", True),
+    ("megatron-core", "0.14.0", False), ("megatron-core", "0.17.1", True),
+    ("megatron-core", "0.19.2", True)])
+def test_every_release_reduces_in_the_hooks_whatever_the_overlap_and_again_where_it_can(
+        dist: str, version: str, needed: bool) -> None:
+    """The hooks' condition is the releases' everywhere; the fix is needed where the
+    synchronous reduction of finish_grad_sync reduces too (before megatron-fsdp 0.3.0 /
+    megatron-core 0.16 neither does, and the hooks' reduction is the only one)."""
+    release = releases.unpacked(dist, version)
+    assert structure.hook_reduction(hooks_source(release)) == structure.REDUCES_ALWAYS
+    copy = registry.COPIES[0] if dist == "megatron-fsdp" else registry.COPIES[1]
+    found = detection.find_installed(copy, [str(release)])
+    assert found is not None
+    assert detection.detect_file(copy, found).needs(registry.REDUCE_ONCE) is needed
+
+
+def test_nvidia_main_reduces_once() -> None:
+    tree = releases.git_tree("main")
+    if tree is None:
+        pytest.skip("NVIDIA main needs a Megatron-LM clone: set MFSDP_TEST_MEGATRON_LM")
+    assert structure.hook_reduction(hooks_source(tree)) == structure.REDUCES_ONCE
+    found = detection.find_installed(registry.COPIES[0], [str(tree)])
+    assert found is not None
+    assert not detection.detect_file(registry.COPIES[0], found).needs(registry.REDUCE_ONCE)
+
+
+@pytest.mark.parametrize(("condition", "expected"), [
+    ("if grad_reduce_every_bprop or (\n                self.ddp_config.overlap_grad_reduce\n"
+     "                and (is_last_microbatch or self.model_auto_sync)\n            ):",
+     structure.REDUCES_ONCE),
+    ("if self.data_parallel_sharding_strategy in ('optim_grads', 'optim_grads_params') or "
+     "(self.ddp_config.overlap_grad_reduce and not (not is_last_microbatch and not "
+     "self.model_auto_sync)):", structure.REDUCES_ONCE),
+    ("if grad_reduce_every_bprop or not self.ddp_config.overlap_grad_reduce or "
+     "is_last_microbatch or self.model_auto_sync:", None),
+    ("if grad_reduce_every_bprop or self.ddp_config.overlap_grad_reduce:", None),
+    ("if grad_reduce_every_bprop or self.should_reduce():", None),
+], ids=["nvidia-6357", "other-words", "reduces-without-overlap", "every-microbatch",
+        "a-call"])
+def test_a_fork_is_judged_by_what_its_condition_yields(condition: str,
+                                                        expected: str | None) -> None:
+    source = hooks_source(releases.unpacked("megatron-fsdp", "0.6.1"))
+    assert source.count(RELEASE_CONDITION) == 2
+    assert structure.hook_reduction(source.replace(RELEASE_CONDITION, condition)) == expected
+
+
+def test_a_fork_with_the_upstream_condition_needs_no_fix(tmp_path: Path) -> None:
+    root = tmp_path / "site"
+    shutil.copytree(releases.unpacked("megatron-fsdp", "0.6.1"), root)
+    model = root / "megatron_fsdp" / "megatron_fsdp.py"
+    model.write_text(model.read_text().replace(
+        RELEASE_CONDITION, "if grad_reduce_every_bprop or (self.ddp_config.overlap_grad_reduce "
+                           "and (is_last_microbatch or self.model_auto_sync)):"))
+    found = detection.detect_file(registry.COPIES[0],
+                                  root / "megatron_fsdp" / "param_and_grad_buffer.py")
+    shape = found.shapes[registry.HOOKS]
+    assert shape is not None and shape.name.endswith("reduces unsharded gradients once")
+    assert not found.needs(registry.REDUCE_ONCE) and not found.needs(
+        registry.MISSED_POST_BACKWARD)
+
+
+def test_the_defect_is_the_fixs() -> None:
+    defect = registry.UNSHARDED_GRADS_REDUCED_TWICE
+    assert defect in registry.RELEASE_DEFECTS and defect.fix == registry.REDUCE_ONCE.id
+    assert registry.defects_of({defect.fix: "applied"}) == [defect]
+    assert registry.defects_of({defect.fix: "not needed"}) == []
+
+
+def case(strategy: str, hotfix: str, **fields: Any) -> CaseSpec:
+    return CaseSpec(flavour="standalone", path=str(releases.unpacked("megatron-fsdp", "0.6.1")),
+                    hotfix=hotfix, double_buffer=False, units=3, strategy=strategy,
+                    overlap_grad_reduce=False, **fields)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "fields"), [
+    ("optim", {"linear": "unfused"}), ("no_shard", {"grad_reduce": "per-token"})],
+    ids=["zero1", "no_shard-sum"])
+def test_shipped_reduces_twice_and_the_fix_reduces_once(strategy: str,
+                                                         fields: dict[str, Any]) -> None:
+    shipped = run_case(case(strategy, "off", **fields))
+    assert not shipped.crashed and (shipped.max_abs_grad_error or 0) > 0, shipped.exception
+    fixed = run_case(case(strategy, "on", **fields))
+    assert not fixed.crashed and fixed.max_abs_grad_error == 0.0, fixed.exception
