@@ -84,6 +84,8 @@ def test_each_dimension_is_its_own_flag_and_the_batch_is_four_microbatches() -> 
     local = flags(impl="local")
     assert local[local.index("--transformer-impl") + 1] == "local"
     assert "--no-gradient-accumulation-fusion" in local
+    # the local layers refuse Megatron-LM's default --persist-layer-norm (a GPU run stopped so)
+    assert "--no-persist-layer-norm" in local and "--no-persist-layer-norm" not in flags()
 
 
 @pytest.mark.parametrize("release, kw", [
@@ -256,3 +258,12 @@ def test_the_command_leaves_the_attention_backend_to_its_flag(tmp_path: Path,
         assert env.get("CUDA_LAUNCH_BLOCKING") == ("1" if c["serialized"] else None)
         assert argv[-len(mlm.pretrain_args(c)):] == mlm.pretrain_args(c)
         assert ("mfsdp_hotfix" in argv) == (c["variant"] == "hotfix")
+
+
+def test_the_committed_summary_is_what_the_raw_records_give() -> None:
+    records = [str(REPO / "docs" / "validation" / f"megatron-lm-h100-{zero}.json.gz")
+               for zero in ("zero3", "zero2")]
+    committed = json.loads((REPO / "docs" / "validation" / "megatron-lm-summary.json").read_text())
+    assert committed == json.loads(json.dumps(mlm.summary(mlm.joined(
+        [mlm.read(path) for path in records])), default=str))
+    assert "/" not in json.dumps(committed["checkouts"])  # no machine paths in a summary

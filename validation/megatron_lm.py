@@ -242,7 +242,7 @@ def pretrain_args(c: dict[str, Any], size: dict[str, int] = SIZE) -> list[str]:
         a += ["--transformer-impl", "transformer_engine", "--attention-backend", "unfused"]
     else:
         # the local layer spec always takes megatron-core's DotProductAttention
-        a += ["--transformer-impl", "local", "--no-gradient-accumulation-fusion"]
+        a += ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm"]
     if c["db"]:
         a.append("--fsdp-double-buffer")
     if c["overlap_grad_reduce"]:
@@ -732,11 +732,30 @@ def unit_test_table(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def summary(report: dict[str, Any]) -> dict[str, Any]:
     results = report["results"]
+    checkouts = {rel: {k: v for k, v in check.items() if k != "checkout"}  # no machine paths
+                 for rel, check in (report.get("checkouts") or {}).items()}
     return {"gpu": report.get("env", {}).get("gpu"), "torch": report.get("env", {}).get("torch"),
-            "te": report.get("env", {}).get("te"), "checkouts": report.get("checkouts"),
+            "te": report.get("env", {}).get("te"), "checkouts": checkouts,
             "iterations": ITERS, "microbatches": MICROBATCHES, "size": SIZE,
             "rows": [row(r) for r in results], "unit_tests": unit_test_table(results),
             "serialized_vs_shipped": report.get("serialized_vs_shipped")}
+
+
+def joined(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several raw records of one session (one call each) as one: their results in order; the
+    first record's environment; every record's checkout checks and serialized comparisons."""
+    first = dict(reports[0])
+    first["results"] = [r for report in reports for r in report["results"]]
+    for key in ("checkouts", "serialized_vs_shipped"):
+        first[key] = {name: value for report in reports
+                      for name, value in (report.get(key) or {}).items()}
+    return first
+
+
+def read(path: str) -> dict[str, Any]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
 
 
 def cell(r: dict[str, Any]) -> str:
@@ -789,7 +808,7 @@ def report_tables(doc: dict[str, Any]) -> str:
             config, variant = key.rsplit("|", 1)
             rel = "" if p["rel_l2"] is None or p["outcome"] == "exact" else \
                 f" (rel. L2 {p['rel_l2']:.2g})"
-            out.append(f"| {config} | {variant} | {p['outcome']}{rel} |")
+            out.append(f"| {config.replace('|', ' ')} | {variant} | {p['outcome']}{rel} |")
     units = doc.get("unit_tests") or {}
     if units:
         out += ["", "| release | test | as shipped | with the hotfix |", "|---|---|---|---|"]
@@ -872,7 +891,8 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="")
     p.add_argument("--dry", action="store_true", help="print the plan (id and command line)")
-    p.add_argument("--summary", metavar="JSON", help="print the summary of a raw record")
+    p.add_argument("--summary", metavar="JSON", nargs="+",
+                   help="print the summary of raw records (one session's calls, in order)")
     p.add_argument("--report", metavar="JSON", help="print the markdown tables of a summary")
     p.add_argument("--megatron-lm", action="append", default=[], metavar="[RELEASE=]DIR")
     p.add_argument("--releases", default=",".join(RELEASES))
@@ -896,9 +916,7 @@ if __name__ == "__main__":
             line = "" if planned["group"] == "unit" else " ".join(pretrain_args(planned))
             print(planned["id"], line)
     elif args.summary:
-        opener = gzip.open if args.summary.endswith(".gz") else open
-        with opener(args.summary, "rt") as f:
-            print(json.dumps(summary(json.load(f)), indent=1))
+        print(json.dumps(summary(joined([read(path) for path in args.summary])), indent=1))
     elif args.report:
         with open(args.report) as f:
             print(report_tables(json.load(f)))
