@@ -158,7 +158,7 @@ def _run_with_inject(tmp_path: Path, script: str) -> tuple[str, Path]:
     cap = tmp_path / "cap"
     cap.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([mlm.INJECT, str(nxt)]),
-               MFSDP_HOTFIX_BOOTSTRAP="0", MFSDP_MLM_CAPTURE=str(cap))
+               MFSDP_HOTFIX_BOOTSTRAP="0", MFSDP_VAL_MLM_CAPTURE=str(cap))
     out = subprocess.run([sys.executable, str(body)], env=env, capture_output=True, text=True,
                          timeout=300, check=True).stdout
     return out, cap

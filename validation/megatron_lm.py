@@ -345,7 +345,7 @@ def command(c: dict[str, Any], paths: Paths, folder: str, cycles_per_ms: float
     env["PYTHONPATH"] = os.pathsep.join(
         [INJECT, paths.rel[c["release"]], REPO] + te_paths(c, env))
     env.update(CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               MFSDP_MLM_CAPTURE=folder)
+               MFSDP_VAL_MLM_CAPTURE=folder)
     # NVTE_*_ATTN: --attention-backend sets them; GPTModel refuses values set beside it
     for k in ("MFSDP_HOTFIX", "MFSDP_HOTFIX_AUDIT", "CUDA_LAUNCH_BLOCKING", "NVTE_FLASH_ATTN",
               "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
@@ -355,9 +355,9 @@ def command(c: dict[str, Any], paths: Paths, folder: str, cycles_per_ms: float
     if c["launcher"] == "fake":
         # FakeStore has neither set nor get: the hotfix's cross-rank check cannot run there
         env.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(free_port()), MFSDP_MLM_FAKE_NCCL="1",
+                   MASTER_PORT=str(free_port()), MFSDP_VAL_MLM_FAKE_NCCL="1",
                    MFSDP_HOTFIX_CROSS_RANK_CHECK="off",
-                   MFSDP_MLM_RS_DELAY_CYCLES=str(int(round(c["delay_ms"] * cycles_per_ms))))
+                   MFSDP_VAL_MLM_RS_DELAY_CYCLES=str(int(round(c["delay_ms"] * cycles_per_ms))))
         job = [py, script]
     else:
         job = torchrun() + ["--nproc-per-node", "1", "--master-port", str(free_port()), script]

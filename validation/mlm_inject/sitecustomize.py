@@ -2,10 +2,10 @@
 itself runs unchanged (``validation/megatron_lm.py`` sets the variables below).
 
 Acts only in the process whose script is ``pretrain_gpt.py`` and only when
-``MFSDP_MLM_CAPTURE`` names a folder; then, before Megatron is imported:
+``MFSDP_VAL_MLM_CAPTURE`` names a folder; then, before Megatron is imported:
 
-* ``MFSDP_MLM_FAKE_NCCL=1``: NCCL work semantics for torch's fake process group (Megatron-LM's
-  ``--fake-process-group``), and ``MFSDP_MLM_RS_DELAY_CYCLES``: a ``torch.cuda._sleep`` before
+* ``MFSDP_VAL_MLM_FAKE_NCCL=1``: NCCL work semantics for torch's fake process group (Megatron-LM's
+  ``--fake-process-group``), and ``MFSDP_VAL_MLM_RS_DELAY_CYCLES``: a ``torch.cuda._sleep`` before
   every reduce-scatter (``fakepg_shims``, the same shims as the other phases);
 * APEX's ``fused_weight_gradient_mlp_cuda`` replaced by a stub whose kernels raise, when it is
   not installed (``core_gpt.install_apex_stub``: with Megatron-FSDP the wgrad goes through TE);
@@ -36,7 +36,7 @@ STEPS = []
 
 
 def _active():
-    return bool(os.environ.get("MFSDP_MLM_CAPTURE")) and \
+    return bool(os.environ.get("MFSDP_VAL_MLM_CAPTURE")) and \
         os.path.basename(sys.argv[0] if sys.argv else "") == "pretrain_gpt.py"
 
 
@@ -51,9 +51,9 @@ def _setup():
     import core_gpt
     import fakepg_shims
 
-    if os.environ.get("MFSDP_MLM_FAKE_NCCL") == "1":
+    if os.environ.get("MFSDP_VAL_MLM_FAKE_NCCL") == "1":
         fakepg_shims.install_nccl_semantics()
-        fakepg_shims.install_rs_delay(int(os.environ.get("MFSDP_MLM_RS_DELAY_CYCLES", "0")))
+        fakepg_shims.install_rs_delay(int(os.environ.get("MFSDP_VAL_MLM_RS_DELAY_CYCLES", "0")))
     STATE["shims"] = fakepg_shims.STATS
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
         core_gpt.install_apex_stub()
@@ -159,7 +159,7 @@ def _capture(model, out):
 
 
 def _save():
-    folder = os.environ["MFSDP_MLM_CAPTURE"]
+    folder = os.environ["MFSDP_VAL_MLM_CAPTURE"]
     try:
         if STEPS:
             import torch
