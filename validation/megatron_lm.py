@@ -186,10 +186,10 @@ def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
                 for zero in zeros:
                     for dtype in ("fp32", "bf16"):
                         out.extend(configurations(rel, 2, zero, dtype, group=label, impl=impl))
-                    if zero == 3:  # the audit route on the DP=2 job, at the delay that
-                        # breaks the shipped code
-                        out.extend(case(label, rel, variant=v, delay_ms=DELAYS[-1], impl=impl)
-                                   for v in AUDITS)
+                    # the audit route on the DP=2 job, at the delay that breaks the shipped
+                    # code
+                    out.extend(case(label, rel, zero=zero, variant=v, delay_ms=DELAYS[-1],
+                                    impl=impl) for v in AUDITS)
         elif group in ("dp1", "dp1-local"):
             # world size 1, real NCCL: the plain route and the audit route (no fake group, no
             # delay); dp1-local: the same without TE
@@ -583,6 +583,10 @@ def pipelined(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+FAIL_FAST = 8
+MIN_START_S = 45  # a run started with less of the budget left would be cut
+
+
 class Driver:
     def __init__(self, paths: Paths, cycles_per_ms: float, deadline: float, workers: int,
                  case_timeout: float, unit_timeout: float) -> None:
@@ -595,13 +599,38 @@ class Driver:
         self.truths: dict[str, cf.Future] = {}
         # runs without TE while TE is being built: a few, so that the build keeps its cores
         self.no_te_slots = threading.BoundedSemaphore(max(1, min(workers, 6)))
+        self.lock = threading.Lock()
+        self.trained: dict[str, list[bool]] = {}  # per route (impl): did each run train?
+        self.stopped: dict[str, str] = {}  # route -> why its remaining runs are not started
 
     def one(self, c: dict[str, Any]) -> dict[str, Any]:
+        route = c.get("impl", "te")
+        if route in self.stopped:
+            return dict(c, outcome="not run", error=self.stopped[route])
+        r = self._one(c)
+        if c["group"] != "unit" and r["outcome"] != "not run":
+            self._count(route, r)
+        return r
+
+    def _count(self, route: str, r: dict[str, Any]) -> None:
+        """The first ``FAIL_FAST`` runs of a route all stopped before training: an error of the
+        harness (or of the machine) is likelier than of the release, and the device time is
+        better kept for a fixed harness: the route's remaining runs are not started."""
+        with self.lock:
+            seen = self.trained.setdefault(route, [])
+            seen.append(bool((r.get("capture") or {}).get("iterations")))
+            if len(seen) == FAIL_FAST and not any(seen):
+                self.stopped[route] = (f"not started: the first {FAIL_FAST} runs of this route "
+                                       f"stopped before their first iteration (last: "
+                                       f"{str(r.get('error'))[:200]})")
+
+    def _one(self, c: dict[str, Any]) -> dict[str, Any]:
         if c["release"] not in self.paths.src:
             return dict(c, outcome="not run", error="no checkout whose megatron/training "
                         "matches this release's wheel")
         if c.get("truth_of") in self.truths:
-            self.truths[c["truth_of"]].result()
+            if self.truths[c["truth_of"]].result()["outcome"] == "not run":
+                return dict(c, outcome="not run", error="its serialized run was not run")
         if c.get("impl", "te") == "te":
             import engine
 
@@ -610,17 +639,28 @@ class Driver:
             if engine.te_state() == "failed":
                 return dict(c, outcome="not run", error="TransformerEngine's setup failed")
         left = self.deadline - time.time()
-        if left < 30:
+        if left < MIN_START_S:
             return dict(c, outcome="not run", error="time budget exhausted")
         if c["group"] == "unit":
             return run_unit_tests(c, self.paths, min(self.unit_timeout, left))
         if c.get("impl") == "local" and self.te_building():
             with self.no_te_slots:
-                left = self.deadline - time.time()
-                if left < 30:
-                    return dict(c, outcome="not run", error="time budget exhausted")
-                return run_case(c, self.paths, self.cpm, min(self.case_timeout, left))
-        return run_case(c, self.paths, self.cpm, min(self.case_timeout, left))
+                return self.bounded(c)
+        return self.bounded(c)
+
+    def bounded(self, c: dict[str, Any]) -> dict[str, Any]:
+        """A run under the case timeout or what is left of the budget; one that the budget cut
+        is ``not run`` (a later call runs it), one that outlasted the case timeout a crash."""
+        left = self.deadline - time.time()
+        if left < MIN_START_S:
+            return dict(c, outcome="not run", error="time budget exhausted")
+        r = run_case(c, self.paths, self.cpm, min(self.case_timeout, left))
+        if r.get("rc") == "timeout":
+            if left < self.case_timeout:
+                r.update(outcome="not run", error=f"cut by the time budget after {left:.0f} s")
+            else:
+                r.update(outcome="crash", error=f"no end within {self.case_timeout:.0f} s")
+        return r
 
     @staticmethod
     def te_building() -> bool:
@@ -742,10 +782,21 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def joined(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several raw records of one session (one call each) as one: their results in order; the
-    first record's environment; every record's checkout checks and serialized comparisons."""
+    """Several raw records of one session (one call each) as one: their results in order, each
+    case once (a case a call did not start, ``not run``, gives way to a later call's run of it;
+    a case run twice is an error); the first record's environment; every record's checkout
+    checks and serialized comparisons."""
     first = dict(reports[0])
-    first["results"] = [r for report in reports for r in report["results"]]
+    results: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        for r in report["results"]:
+            before = results.get(r["id"])
+            if before is not None and before["outcome"] != "not run":
+                if r["outcome"] != "not run":
+                    raise ValueError(f"{r['id']} was run by two calls")
+                continue
+            results[r["id"]] = r  # in the place of the plan's order the first call gave it
+    first["results"] = list(results.values())
     for key in ("checkouts", "serialized_vs_shipped"):
         first[key] = {name: value for report in reports
                       for name, value in (report.get(key) or {}).items()}
