@@ -466,7 +466,6 @@ def run_case(c: dict[str, Any], paths: Paths, cycles_per_ms: float, timeout: flo
     pt = os.path.join(folder, "capture.pt")
     outcome_cmp = None
     if os.path.exists(pt):
-        rec["capture_file"] = pt
         if c.get("truth"):
             import torch
 
@@ -476,6 +475,12 @@ def run_case(c: dict[str, Any], paths: Paths, cycles_per_ms: float, timeout: flo
                 outcome_cmp = cmp["outcome"]
             else:
                 rec["no_truth"] = "its serialized run left no capture"
+        if c.get("serialized"):
+            rec["capture_file"] = pt  # a truth: kept for the runs compared with it
+        else:
+            # compared: the buffers of every iteration are half a gigabyte a run, and a whole
+            # matrix of them would fill the machine's disk
+            os.remove(pt)
     rec["outcome"] = classify(rec.get("command_rc", rc), capture, c["iterations"], rec["error"],
                               outcome_cmp)
     if (capture or {}).get("capture_errors"):
@@ -585,6 +590,7 @@ def pipelined(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 FAIL_FAST = 8
 MIN_START_S = 45  # a run started with less of the budget left would be cut
+MIN_FREE_DISK = 8 * 2**30  # a run's capture is about half a gigabyte; truths are kept
 
 
 class Driver:
@@ -654,6 +660,9 @@ class Driver:
         left = self.deadline - time.time()
         if left < MIN_START_S:
             return dict(c, outcome="not run", error="time budget exhausted")
+        free = shutil.disk_usage(workdir.run_dir()).free
+        if free < MIN_FREE_DISK:
+            return dict(c, outcome="not run", error=f"only {free / 2**30:.1f} GiB of disk left")
         r = run_case(c, self.paths, self.cpm, min(self.case_timeout, left))
         if r.get("rc") == "timeout":
             if left < self.case_timeout:
