@@ -6,6 +6,7 @@ rules hold. The GPU records themselves are tied to docs by tests/test_claims.py.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -260,10 +261,99 @@ def test_the_command_leaves_the_attention_backend_to_its_flag(tmp_path: Path,
         assert ("mfsdp_hotfix" in argv) == (c["variant"] == "hotfix")
 
 
+# the raw records of the summary, in the order of the calls that made them
+RECORDS = ("zero3", "zero2", "local", "te", "te-extras", "te-moe")
+
+
 def test_the_committed_summary_is_what_the_raw_records_give() -> None:
-    records = [str(REPO / "docs" / "validation" / f"megatron-lm-h100-{zero}.json.gz")
-               for zero in ("zero3", "zero2")]
+    records = [str(REPO / "docs" / "validation" / f"megatron-lm-h100-{name}.json.gz")
+               for name in RECORDS]
     committed = json.loads((REPO / "docs" / "validation" / "megatron-lm-summary.json").read_text())
     assert committed == json.loads(json.dumps(mlm.summary(mlm.joined(
-        [mlm.read(path) for path in records])), default=str))
+        [mlm.read(path) for path in records], [os.path.basename(p) for p in records])),
+        default=str))
     assert "/" not in json.dumps(committed["checkouts"])  # no machine paths in a summary
+    for path in records:  # nor in a raw record: the checkouts are named as the doc names them
+        with open(path, "rb") as f:
+            assert b"/work/" not in gzip.decompress(f.read())
+
+
+def _ran(case_id: str, outcome: str, **kw: Any) -> dict[str, Any]:
+    return dict(id=case_id, outcome=outcome, **kw)
+
+
+def test_joined_records_keep_each_case_once_and_list_what_a_later_call_replaced() -> None:
+    env = {"gpu": "H100", "torch": "2.11"}
+    first = {"env": env, "results": [_ran("a", "not run", error="time budget exhausted"),
+                                     _ran("b", "unsupported", error="ValueError: flag"),
+                                     _ran("c", "exact")]}
+    second = {"env": env, "results": [_ran("c", "not run", error="time budget exhausted"),
+                                      _ran("b", "exact"), _ran("a", "wrong")]}
+    out = mlm.joined([first, second], ["one", "two"])
+    assert [(r["id"], r["outcome"]) for r in out["results"]] == \
+        [("a", "wrong"), ("b", "exact"), ("c", "exact")]  # the first call's order
+    assert out["replaced"] == [{"id": "b", "record": "one", "outcome": "unsupported",
+                                "by_record": "two", "error": "ValueError: flag"}]
+    later = {"env": env, "results": [_ran("a", "not run", error="its serialized run was not run")]}
+    assert mlm.joined([first, later])["results"][0]["error"] == "its serialized run was not run"
+    with pytest.raises(ValueError, match="different machines"):
+        mlm.joined([first, {"env": dict(env, gpu="H200"), "results": []}])
+
+
+def _driver(tmp_path: Path, monkeypatch: Any, budget_s: float) -> Any:
+    monkeypatch.setattr(mlm.workdir, "run_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(mlm, "MIN_FREE_DISK", 0)  # this machine's disk is not the GPU machine's
+    paths = mlm.Paths({"core-0.19.2": str(tmp_path)}, {"core-0.19.2": str(tmp_path)})
+    return mlm.Driver(paths, 1000.0, mlm.time.time() + budget_s, 4, 240.0, 300.0)
+
+
+def test_a_route_whose_first_runs_all_stop_before_training_starts_no_more(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    drv = _driver(tmp_path, monkeypatch, 3600)
+    started = []
+
+    def run_case(c: dict[str, Any], *a: Any) -> dict[str, Any]:
+        started.append(c["id"])
+        return dict(c, rc=1, outcome="crash", error="TypeError: harness", capture=None)
+
+    monkeypatch.setattr(mlm, "run_case", run_case)
+    cases = mlm.plan(groups=("local3@core-0.19.2",))
+    results = [drv.one(c) for c in cases]
+    assert len(started) == mlm.FAIL_FAST
+    assert all(r["outcome"] == "not run" and "stopped before their first iteration" in r["error"]
+               for r in results[mlm.FAIL_FAST:])
+    drv = _driver(tmp_path, monkeypatch, 3600)  # one run that trains keeps the route going
+    trained = iter([True] + [False] * 100)
+    monkeypatch.setattr(mlm, "run_case", lambda c, *a: dict(
+        c, rc=0, outcome="ok", capture={"iterations": 3 if next(trained) else 0}))
+    assert all(drv.one(c)["outcome"] == "ok" for c in cases)
+
+
+def test_a_run_the_budget_cuts_is_not_run_and_one_past_the_case_timeout_a_crash(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    c = mlm.case("local", "core-0.19.2", impl="local", serialized=True)
+    timed_out = lambda c, *a: dict(c, rc="timeout", outcome="crash", capture=None)  # noqa: E731
+    monkeypatch.setattr(mlm, "run_case", timed_out)
+    cut = _driver(tmp_path, monkeypatch, 100).one(c)
+    assert cut["outcome"] == "not run" and "cut by the time budget" in cut["error"]
+    hung = _driver(tmp_path, monkeypatch, 3600).one(c)
+    assert hung["outcome"] == "crash" and "no end within 240 s" in hung["error"]
+    late = _driver(tmp_path, monkeypatch, mlm.MIN_START_S - 1).one(c)
+    assert late["outcome"] == "not run" and late["error"] == "time budget exhausted"
+
+
+def test_no_gradient_pool_is_told_apart_from_a_pool_that_handed_out_no_slot() -> None:
+    none_built = {"iterations": 3, "pool_allocations": {"0/weight_alloc": {
+        "class": "StorageResizeBasedBucketAllocator", "calls": 0}}}
+    unused = {"iterations": 3, "pool_allocations": {"0/main_grad_alloc": {
+        "class": "FixedPoolAllocator", "calls": 0}}}
+    assert mlm.row(_record("exact", capture=none_built))["grad_pool"] == "none built"
+    assert mlm.row(_record("exact", capture=none_built))["grad_pool_allocations"] is None
+    assert mlm.row(_record("exact", capture=unused))["grad_pool"] == "FixedPoolAllocator"
+    assert mlm.row(_record("exact", capture=unused))["grad_pool_allocations"] == 0
+
+
+def test_te_version_is_what_the_runs_with_te_layers_printed() -> None:
+    te = dict(impl="te", log_head_versions=["> Transformer Engine version ... 2.20.2"])
+    local = dict(impl="local", log_head_versions=["> Transformer Engine version ... 9.9"])
+    assert mlm.te_versions([te, local, dict(impl="te")]) == ["2.20.2"]

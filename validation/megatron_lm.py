@@ -79,8 +79,9 @@ SIZE = dict(layers=4, hidden=512, heads=8, ffn=2048, seq=512, mbs=2, vocab=8192,
 DELAYS = (0.0, 20.0)
 ROW_KEYS = ("id", "group", "release", "dp", "launcher", "zero", "dtype", "overlap_grad_reduce",
             "overlap_param_gather", "recompute", "moe", "variant", "delay_ms", "serialized",
-            "outcome", "rel_l2", "max_abs", "first_bad_step", "iterations", "grad_pool_allocations",
-            "audit", "error")
+            "outcome", "rel_l2", "max_abs", "first_bad_step", "iterations", "grad_pool",
+            "grad_pool_allocations", "audit", "error")
+
 OUTCOMES = ("exact", "wrong", "crash", "unsupported", "ok", "ran, no truth", "not run")
 
 
@@ -242,7 +243,10 @@ def pretrain_args(c: dict[str, Any], size: dict[str, int] = SIZE) -> list[str]:
         a += ["--transformer-impl", "transformer_engine", "--attention-backend", "unfused"]
     else:
         # the local layer spec always takes megatron-core's DotProductAttention
-        a += ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm"]
+        # and, without TE or APEX, none of Megatron's fused CUDA kernels: bf16 would take the
+        # fused softmax (scaled_masked_softmax_cuda)
+        a += ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+              "--no-persist-layer-norm", "--no-masked-softmax-fusion"]
     if c["db"]:
         a.append("--fsdp-double-buffer")
     if c["overlap_grad_reduce"]:
@@ -258,7 +262,7 @@ def pretrain_args(c: dict[str, Any], size: dict[str, int] = SIZE) -> list[str]:
               "--recompute-num-layers", 1]
     if c["moe"]:
         a += ["--num-experts", z["experts"], "--moe-ffn-hidden-size", z["moe_ffn"],
-              "--moe-router-topk", 1, "--moe-grouped-gemm", "--moe-token-dispatcher-type",
+              "--moe-router-topk", 1, "--moe-router-pre-softmax", "--moe-grouped-gemm", "--moe-token-dispatcher-type",
               "alltoall", "--moe-aux-loss-coeff", 0, "--moe-router-load-balancing-type", "none"]
     if c["launcher"] == "fake":
         a.append("--fake-process-group")
@@ -747,7 +751,7 @@ def row(r: dict[str, Any]) -> dict[str, Any]:
     cmp = r.get("comparison") or {}
     cap = r.get("capture") or {}
     pools = cap.get("pool_allocations") or {}
-    grad_pool = sum(v["calls"] for k, v in pools.items() if k.endswith("main_grad_alloc"))
+    grad_pools = [v for k, v in pools.items() if k.endswith("main_grad_alloc")]
     unit = r["group"] == "unit"
     return {"id": r["id"], "group": r["group"], "release": r["release"],
             "dp": None if unit else r["dp"], "launcher": None if unit else r["launcher"],
@@ -760,7 +764,12 @@ def row(r: dict[str, Any]) -> dict[str, Any]:
             "rel_l2": cmp.get("rel_l2"), "max_abs": cmp.get("max_abs_diff"),
             "first_bad_step": cmp.get("first_bad_step"),
             "iterations": None if unit else cap.get("iterations", 0),
-            "grad_pool_allocations": None if unit or not pools else grad_pool,
+            # no gradient pool built (the release's own choice: no FSDP unit) is not the same as
+            # a pool that never handed a slot out (one data-parallel rank)
+            "grad_pool": None if unit or not pools else
+            (grad_pools[0]["class"] if grad_pools else "none built"),
+            "grad_pool_allocations": None if unit or not grad_pools else
+            sum(v["calls"] for v in grad_pools),
             "audit": r.get("audit"),
             "error": None if r["outcome"] in ("exact", "ok") else (r.get("error") or "")[:300]}
 
@@ -784,28 +793,54 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     checkouts = {rel: {k: v for k, v in check.items() if k != "checkout"}  # no machine paths
                  for rel, check in (report.get("checkouts") or {}).items()}
     return {"gpu": report.get("env", {}).get("gpu"), "torch": report.get("env", {}).get("torch"),
-            "te": report.get("env", {}).get("te"), "checkouts": checkouts,
+            "te": te_versions(results), "checkouts": checkouts,
             "iterations": ITERS, "microbatches": MICROBATCHES, "size": SIZE,
             "rows": [row(r) for r in results], "unit_tests": unit_test_table(results),
-            "serialized_vs_shipped": report.get("serialized_vs_shipped")}
+            "serialized_vs_shipped": report.get("serialized_vs_shipped"),
+            "replaced": report.get("replaced", [])}
 
 
-def joined(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several raw records of one session (one call each) as one: their results in order, each
-    case once (a case a call did not start, ``not run``, gives way to a later call's run of it;
-    a case run twice is an error); the first record's environment; every record's checkout
-    checks and serialized comparisons."""
+TE_VERSION = re.compile(r"Transformer Engine version \.* ?(\S+)")
+
+
+def te_versions(results: list[dict[str, Any]]) -> list[str]:
+    """The TransformerEngine versions the runs with TE layers printed (Megatron's own
+    ``Transformer Engine version`` line): what they ran, where the driver's environment probe,
+    taken before TE's setup ends, cannot tell."""
+    return sorted({m.group(1) for r in results if r.get("impl", "te") == "te"
+                   for line in r.get("log_head_versions") or [] for m in [TE_VERSION.search(line)]
+                   if m})
+
+
+def joined(reports: list[dict[str, Any]], names: list[str] | None = None) -> dict[str, Any]:
+    """Several raw records (one GPU call each, on one kind of machine) as one: their results in
+    the order they first appear, each case once. A later call's run of a case replaces an
+    earlier call's: a case a call did not start (``not run``), or one run again after a harness
+    fix or so that its configuration's runs share one call (a run is compared only with a
+    serialized run of its own call); of two ``not run``, the later reason stands. Each
+    replaced run that did run is listed under ``replaced``, with its record's name (``names``,
+    else its place in ``reports``); ``gpu`` and ``torch`` must be the same in every record."""
+    names = names or [str(i + 1) for i in range(len(reports))]
     first = dict(reports[0])
+    for report in reports[1:]:
+        for key in ("gpu", "torch"):
+            if report.get("env", {}).get(key) != first.get("env", {}).get(key):
+                raise ValueError(f"records of different machines: {key} "
+                                 f"{report.get('env', {}).get(key)} != {first['env'].get(key)}")
     results: dict[str, dict[str, Any]] = {}
-    for report in reports:
+    replaced = []
+    for call, report in enumerate(reports):
         for r in report["results"]:
             before = results.get(r["id"])
             if before is not None and before["outcome"] != "not run":
-                if r["outcome"] != "not run":
-                    raise ValueError(f"{r['id']} was run by two calls")
-                continue
-            results[r["id"]] = r  # in the place of the plan's order the first call gave it
-    first["results"] = list(results.values())
+                if r["outcome"] == "not run":
+                    continue
+                replaced.append({"id": r["id"], "record": names[before["_call"]],
+                                 "outcome": before["outcome"], "by_record": names[call],
+                                 "error": (before.get("error") or "")[:300] or None})
+            results[r["id"]] = dict(r, _call=call)  # in its first place in the order
+    first["results"] = [{k: v for k, v in r.items() if k != "_call"} for r in results.values()]
+    first["replaced"] = replaced
     for key in ("checkouts", "serialized_vs_shipped"):
         first[key] = {name: value for report in reports
                       for name, value in (report.get(key) or {}).items()}
@@ -846,19 +881,33 @@ def report_tables(doc: dict[str, Any]) -> str:
         key = (r["release"], layers, r["zero"], r["dtype"], also or "–", r["variant"])
         col = "serialized" if r["serialized"] else f"{r['delay_ms']:g} ms"
         seen.setdefault(key, {})[col] = cell(r)
+    not_run: dict[tuple, str] = {}
     for key, cols in seen.items():
+        if all(v.startswith("not run") for v in cols.values()):
+            reason = cols.get("serialized") or next(iter(cols.values()))
+            not_run.setdefault(key[:5], reason.split(": ", 1)[-1])
+            continue
         out.append("| " + " | ".join(str(k) for k in key) + " | " + " | ".join(
             cols.get(c, "–") for c in ("serialized", "0 ms", "20 ms")) + " |")
-    out += ["", "| release | layers | world size | route | variant | delay ms | outcome | "
-            "gradient-pool allocations | audit verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    if not_run:
+        out += ["", "| release | layers | ZeRO | dtype | also | not run (every variant) |",
+                "|---|---|---|---|---|---|"]
+        out += ["| " + " | ".join(str(k) for k in key) + f" | {why} |"
+                for key, why in not_run.items()]
+    out += ["", "| release | layers | world size | ZeRO | route | variant | delay ms | outcome | "
+            "gradient-pool allocations (pool) | audit verdict |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["group"] == "unit" or (r["dp"] == 2 and r["variant"] not in AUDITS):
             continue
         route = "torchrun, NCCL" if r["launcher"] == "torchrun" else "--fake-process-group"
         run = "serialized" if r["serialized"] else f"{r['delay_ms']:g}"
-        pools = "–" if r["grad_pool_allocations"] is None else str(r["grad_pool_allocations"])
+        pools = r.get("grad_pool") or "–"
+        if r["grad_pool_allocations"] is not None:
+            pools = f"{r['grad_pool_allocations']} ({pools})"
         layers = "local" if "|local|" in r["id"] else "TE"
-        out.append(f"| {r['release']} | {layers} | {r['dp']} | {route} | {r['variant']} | {run} | "
+        out.append(f"| {r['release']} | {layers} | {r['dp']} | {r['zero']} | {route} | "
+                   f"{r['variant']} | {run} | "
                    f"{cell(r)} | {pools} | {r['audit'] or '–'} |")
     pairs = doc.get("serialized_vs_shipped")
     if isinstance(pairs, dict) and pairs:
@@ -866,9 +915,19 @@ def report_tables(doc: dict[str, Any]) -> str:
                 "|---|---|---|"]
         for key, p in pairs.items():
             config, variant = key.rsplit("|", 1)
-            rel = "" if p["rel_l2"] is None or p["outcome"] == "exact" else \
-                f" (rel. L2 {p['rel_l2']:.2g})"
-            out.append(f"| {config.replace('|', ' ')} | {variant} | {p['outcome']}{rel} |")
+            # not "wrong": neither serialized run is the truth of the other (a fix of a release
+            # defect outside the double buffer changes the arithmetic on purpose)
+            said = "exact" if p["outcome"] == "exact" else "differs"
+            rel = "" if p["rel_l2"] is None or said == "exact" else \
+                f" (rel. L2 {p['rel_l2']:.2g}, from iteration {p['first_bad_step']})"
+            out.append(f"| {config.replace('|', ' ')} | {variant} | {said}{rel} |")
+    if doc.get("replaced"):
+        out += ["", "| run | in record | its outcome there | replaced by the run in |",
+                "|---|---|---|---|"]
+        for r in doc["replaced"]:
+            why = f": {r['error'][:80]}" if r.get("error") else ""
+            out.append(f"| {r['id'].replace('|', ' ')} | {r['record']} | "
+                       f"{r['outcome']}{why.replace('|', '/')} | {r['by_record']} |")
     units = doc.get("unit_tests") or {}
     if units:
         out += ["", "| release | test | as shipped | with the hotfix |", "|---|---|---|---|"]
@@ -882,9 +941,10 @@ def report_tables(doc: dict[str, Any]) -> str:
 
 
 def env_info() -> dict[str, Any]:
-    code = ("import json,torch\nout={'torch':torch.__version__,'gpu':torch.cuda.get_device_name(0)}\n"
-            "try:\n import transformer_engine as te; out['te']=te.__version__\n"
-            "except Exception as e: out['te']='absent: '+repr(e)[:200]\nprint(json.dumps(out))")
+    # TE's version is read from the runs' own lines (te_versions): here, at the start, TE's
+    # setup may not have ended
+    code = ("import json,torch\nprint(json.dumps({'torch': torch.__version__, "
+            "'gpu': torch.cuda.get_device_name(0)}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     try:
         return json.loads(r.stdout.strip().splitlines()[-1])
@@ -976,7 +1036,9 @@ if __name__ == "__main__":
             line = "" if planned["group"] == "unit" else " ".join(pretrain_args(planned))
             print(planned["id"], line)
     elif args.summary:
-        print(json.dumps(summary(joined([read(path) for path in args.summary])), indent=1))
+        print(json.dumps(summary(joined([read(path) for path in args.summary],
+                                        [os.path.basename(path) for path in args.summary])),
+                         indent=1))
     elif args.report:
         with open(args.report) as f:
             print(report_tables(json.load(f)))
