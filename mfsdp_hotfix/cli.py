@@ -84,7 +84,8 @@ def _main(argv: list[str] | None) -> int:
     show.add_argument("--verbose", action="store_true",
                       help="also each copy's code shapes, fix reasons and release defects")
     show.add_argument("--check", action="store_true",
-                      help=f"exit {CHECK_UNFIXED} if an affected copy would be left unfixed")
+                      help=f"exit {CHECK_UNFIXED} if an affected copy would be left unfixed "
+                           "(the first line then says NOT protected)")
     show.add_argument("--path", metavar="DIR",
                       help="judge the copies in DIR instead (an unpacked release or wheel, a "
                            "site-packages folder, a Megatron-LM checkout), read from their source "
@@ -233,7 +234,9 @@ def report() -> dict[str, Any]:
 
 
 def _unfixed(data: dict[str, Any]) -> list[str]:
-    """Every affected copy that a training process here would run unfixed, and why."""
+    """Every affected copy that a training process here would run unfixed, and why: a copy
+    refused, a fix failed, disabled, off or unverified, or fixes that would apply but that no
+    new process loads (no ``.pth``, no sitecustomize bootstrap)."""
     problems = []
     for copy in data["copies"]:
         name = f"{copy['copy']} {copy['version'] or '?'} at {copy['path']}"
@@ -242,6 +245,10 @@ def _unfixed(data: dict[str, Any]) -> list[str]:
         for fix, state in copy["fixes"].items():
             if state["state"] in ("failed", "disabled", "off", "unverified"):
                 problems.append(f"{name}: {fix} {state['state']} ({state['reason']})")
+        waiting = [fix for fix, state in copy["fixes"].items() if state["state"] == "would apply"]
+        if waiting and data.get("hotfix") == "not loaded":
+            problems.append(f"{name}: {', '.join(waiting)} would apply, but "
+                            f"{reporting.UNPROTECTING['not loaded']}")
     return problems
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import run_python
 
-from mfsdp_hotfix import bootstrap
+from mfsdp_hotfix import bootstrap, reporting
 
 # First on PYTHONPATH: a new process here loads the hotfix (the sitecustomize route), whether or
 # not this test environment has the package's .pth installed.
@@ -31,7 +31,14 @@ def status(*path: Path, env: dict[str, str] | None = None, check: bool = True
 
 def test_schema_of_a_patched_install(fsdp_release) -> None:
     code, data = status(fsdp_release("0.5.1"))
-    assert code == 0 and data["unfixed"] == []
+    # nothing loads the hotfix in a new process here: the check fails, as the verdict says
+    (unfixed,) = data["unfixed"]
+    assert code == 1 and data["verdict"]["protected"] is False
+    assert unfixed.startswith("megatron-fsdp 0.5.1 at ") and unfixed.endswith(
+        ": getter-guard, ordered-drain, zero1-accumulate, reduce-once would apply, but "
+        + reporting.UNPROTECTING["not loaded"])
+    armed_code, armed = status(Path(ARMED), fsdp_release("0.5.1"))
+    assert armed_code == 0 and armed["unfixed"] == [] and armed["verdict"]["protected"] is True
     assert set(data) >= {"mfsdp_hotfix", "scope", "hotfix", "hotfix_meaning", "loaded_via",
                          "settings", "copies", "failures", "bootstrap", "unfixed"}
     assert data["hotfix"] == "not loaded" and data["loaded_via"] is None  # no .pth on this path
@@ -52,7 +59,7 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
 
 
 def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
-    code, data = status(fsdp_release("0.2.3"))
+    code, data = status(fsdp_release("0.2.3"), check=False)
     (copy,) = data["copies"]
     assert code == 0 and copy["era"] == "A"
     assert copy["shapes"]["MegatronFSDP._register_fsdp_hooks"] == "0.14"
@@ -187,7 +194,7 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
 
 
 def test_era_c_needs_no_getter_guard(fsdp_release) -> None:
-    code, data = status(fsdp_release("0.6.1"))
+    code, data = status(fsdp_release("0.6.1"), check=False)
     assert code == 0
     assert data["copies"][0]["fixes"]["getter-guard"]["state"] == "not needed"
 
