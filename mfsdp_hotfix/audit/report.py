@@ -99,11 +99,12 @@ VERDICTS: dict[str, tuple[str, str, int]] = {
                    "reuses could not be judged: what was checked is not the whole job",
                    "see the lines above; rerun with a path every rank can write", 4),
     "NOT CHECKED": ("the audit watched the job but saw no gradient-slot reuse: no gradient "
-                    "pool was built (fsdp_double_buffer=False, one rank) or its slots were "
-                    "never handed to a second bucket (ZeRO-1, no sharded gradients): there "
-                    "was nothing to check",
-                    "nothing to fix if the double buffer is off; otherwise run at least one "
-                    "full step with 2+ ranks, ZeRO-2/3 and 3+ FSDP units", 4),
+                    "pool was built (fsdp_double_buffer=False; or ZeRO-1/2 through "
+                    "megatron-core's adapter, which makes no FSDP unit on the releases) or its "
+                    "slots were never handed out (one data-parallel rank; ZeRO-1: gradients not "
+                    "sharded): there was nothing to check",
+                    "nothing to fix where no pool was built; otherwise run at least one full "
+                    "step with 2+ ranks, ZeRO-2/3 and 3+ FSDP units", 4),
     "ordered": ("every gradient-slot reuse the audit saw was ordered after the reduce-scatter "
                 "that last read the slot", "nothing", 0),
     "UNWRITABLE": ("no rank file could be written where the audit was told to write them, "
@@ -153,7 +154,8 @@ def copy_verdict(copy: dict[str, Any]) -> tuple[str, str | None]:
         return "INCOMPLETE", f"{copy['unseen']} reuses not judged (reduce-scatter not seen)"
     if not int(copy.get("reuses", 0)):
         if pools == {}:
-            return "NOT CHECKED", "no gradient pool was built (fsdp_double_buffer off, or one rank)"
+            return "NOT CHECKED", ("no gradient pool was built (fsdp_double_buffer off, or no "
+                                   "FSDP unit)")
         return "NOT CHECKED", ("gradient pool(s) " + ", ".join(pools or {}) + " built, no slot "
                                "reused" if pools else "no gradient-slot reuse seen")
     return "ordered", None

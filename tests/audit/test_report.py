@@ -138,7 +138,7 @@ POOLS = {"fsdp_grads (MaxPoolAllocator)": 18}
 @pytest.mark.parametrize(("fields", "verdict", "why"), [
     ({"grad_pools": POOLS}, "ordered", None),
     ({"reuses": 0, "grad_pools": {}}, "NOT CHECKED",
-     "no gradient pool was built (fsdp_double_buffer off, or one rank)"),
+     "no gradient pool was built (fsdp_double_buffer off, or no FSDP unit)"),
     ({"reuses": 0, "grad_pools": {"fsdp_grads (FixedPoolAllocator)": 0}}, "NOT CHECKED",
      "gradient pool(s) fsdp_grads (FixedPoolAllocator) built, no slot reused"),
     ({"reuses": 0, "audited": False, "grad_pools": None, "note": "not audited: X"},
