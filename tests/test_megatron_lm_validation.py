@@ -147,6 +147,51 @@ def test_the_documented_revisions_are_the_wheels_training_code(tmp_path: Path) -
                 (other == release), (ref, other)
 
 
+def test_a_checkout_without_a_module_the_unit_tests_import_is_found_before_any_run(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    def write(rel: str, text: str = "") -> None:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+
+    write("tests/unit_tests/conftest.py", "from tests.unit_tests.dist import TempDir\n"
+                                          "import torch\nfrom . import local\n")
+    write("tests/unit_tests/dist/__init__.py", "from tests.unit_tests.dist.utils import x\n")
+    write("tests/unit_tests/fsdp/test_a.py", "import tests.unit_tests.helpers as h\n"
+                                             "from tests.unit_tests.fsdp.utils import y\n")
+    write("tests/unit_tests/fsdp/utils.py")
+    assert mlm.missing_test_modules(str(tmp_path), "tests/unit_tests/fsdp") == [
+        "tests.unit_tests.dist.utils", "tests.unit_tests.helpers"]
+    write("tests/unit_tests/dist/utils.py")
+    write("tests/unit_tests/helpers.py")
+    assert mlm.missing_test_modules(str(tmp_path), "tests/unit_tests/fsdp") == []
+    # the driver does not start the unit tests of a release whose checkout lacks one
+    monkeypatch.setattr(mlm.workdir, "run_dir", lambda: str(tmp_path))
+    paths = mlm.Paths({"core-0.19.2": str(tmp_path)}, {"core-0.19.2": str(tmp_path)},
+                      {"core-0.19.2": ["tests.unit_tests.dist.utils"]})
+    drv = mlm.Driver(paths, 1000.0, mlm.time.time() + 3600, 1, 240.0, 300.0)
+    monkeypatch.setattr(mlm, "run_unit_tests", lambda *a: pytest.fail("started"))
+    (unit,) = [c for c in mlm.plan(groups=("unit@core-0.19.2",)) if c["variant"] == "shipped"]
+    r = drv.one(unit)
+    assert r["outcome"] == "not run" and r["error"].endswith(": tests.unit_tests.dist.utils")
+
+
+@pytest.mark.skipif(releases.MEGATRON_LM_GIT is None, reason="needs MFSDP_TEST_MEGATRON_LM "
+                    "(a Megatron-LM git dir)")
+def test_the_documented_revisions_hold_every_module_their_unit_tests_import(
+        tmp_path: Path) -> None:
+    for release, ref in mlm.REVISIONS.items():
+        out = tmp_path / ref
+        out.mkdir()
+        archive = subprocess.run(["git", "--git-dir", str(releases.MEGATRON_LM_GIT), "archive",
+                                  ref, "tests"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+        assert mlm.missing_test_modules(str(out), mlm.UNIT_TESTS[release]) == [], ref
+        # a checkout given in part (as one GPU call once was) is found out
+        (out / "tests" / "unit_tests" / "dist_checkpointing" / "utils.py").unlink()
+        assert "tests.unit_tests.dist_checkpointing.utils" in \
+            mlm.missing_test_modules(str(out), mlm.UNIT_TESTS[release])
+
+
 def _run_with_inject(tmp_path: Path, script: str) -> tuple[str, Path]:
     """Run a script named ``script`` with the injected sitecustomize first on PYTHONPATH and a
     second sitecustomize after it (which must still run)."""

@@ -118,6 +118,46 @@ def matches(diff: dict[str, Any]) -> bool:
                                         or diff["only_in_checkout"])
 
 
+def missing_test_modules(root: str, folder: str) -> list[str]:
+    """The ``tests.*`` modules that the unit tests in ``folder`` (and the ``conftest.py`` files
+    above them) import, directly or through each other, and that ``root`` lacks: read from
+    the files (``ast``), so a checkout given in part is refused before any GPU time is spent
+    (pytest would stop loading the conftest)."""
+    import ast
+
+    def path_of(module: str) -> str | None:
+        base = os.path.join(root, *module.split("."))
+        for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(candidate):
+                return candidate
+        return None
+
+    todo = [os.path.join(dirpath, name)
+            for dirpath, _, names in os.walk(os.path.join(root, folder)) for name in names
+            if name.endswith(".py")]
+    parts = folder.split("/")
+    todo += [os.path.join(root, *parts[:i], "conftest.py") for i in range(len(parts) + 1)
+             if os.path.isfile(os.path.join(root, *parts[:i], "conftest.py"))]
+    seen, missing = set(todo), set()
+    while todo:
+        with open(todo.pop(), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     and not node.level else [])
+            for name in names:
+                if name.split(".")[0] != "tests":
+                    continue
+                found = path_of(name)
+                if found is None:
+                    missing.add(name)
+                elif found not in seen:
+                    seen.add(found)
+                    todo.append(found)
+    return sorted(missing)
+
+
 # ------------------------------------------------------------------------- the plan
 def case(group: str, release: str, *, dp: int = 2, zero: int = 3, dtype: str = "fp32",
          ogr: bool = True, recompute: bool = False, moe: bool = False, variant: str = "shipped",
@@ -313,9 +353,11 @@ def parse_check(release_dir: str, c: dict[str, Any], timeout: float = 300.0) -> 
 class Paths:
     """Where the release, the scripts and this run's folders are."""
 
-    def __init__(self, rel_dirs: dict[str, str], src_dirs: dict[str, str]) -> None:
+    def __init__(self, rel_dirs: dict[str, str], src_dirs: dict[str, str],
+                 unit_tests_missing: dict[str, list[str]] | None = None) -> None:
         self.rel = rel_dirs
         self.src = src_dirs
+        self.unit_tests_missing = unit_tests_missing or {}
 
 
 def stage_sources(checkouts: dict[str, str], rel_dirs: dict[str, str]) -> tuple[dict, dict]:
@@ -336,6 +378,7 @@ def stage_sources(checkouts: dict[str, str], rel_dirs: dict[str, str]) -> tuple[
         tests = os.path.join(checkout, "tests")
         if os.path.isdir(tests):
             shutil.copytree(tests, os.path.join(dest, "tests"))
+        checks[rel]["unit_tests_missing"] = missing_test_modules(dest, UNIT_TESTS[rel])
         src[rel] = dest
     return src, checks
 
@@ -652,6 +695,10 @@ class Driver:
         if left < MIN_START_S:
             return dict(c, outcome="not run", error="time budget exhausted")
         if c["group"] == "unit":
+            missing = self.paths.unit_tests_missing.get(c["release"])
+            if missing:
+                return dict(c, outcome="not run", error="the checkout lacks modules the unit "
+                            "tests import: " + ", ".join(missing))
             return run_unit_tests(c, self.paths, min(self.unit_timeout, left))
         if c.get("impl") == "local" and self.te_building():
             with self.no_te_slots:
@@ -965,8 +1012,9 @@ def driver_main(a: argparse.Namespace) -> None:
     report["env"] = env_info()
     report["calibration"] = run_matrix.calibrate()
     cases = [c for c in plan(a.releases, a.groups) if not a.only or re.search(a.only, c["id"])]
-    drv = Driver(Paths(rel_dirs, src), report["calibration"]["cycles_per_ms"], t0 + a.budget_s,
-                 a.workers, a.case_timeout, a.unit_timeout)
+    missing = {rel: check.get("unit_tests_missing", []) for rel, check in checks.items()}
+    drv = Driver(Paths(rel_dirs, src, missing), report["calibration"]["cycles_per_ms"],
+                 t0 + a.budget_s, a.workers, a.case_timeout, a.unit_timeout)
     report["results"] = []
 
     def progress(done: list[dict[str, Any]]) -> None:  # a run cut short keeps what it had
