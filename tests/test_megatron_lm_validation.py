@@ -402,3 +402,13 @@ def test_te_version_is_what_the_runs_with_te_layers_printed() -> None:
     te = dict(impl="te", log_head_versions=["> Transformer Engine version ... 2.20.2"])
     local = dict(impl="local", log_head_versions=["> Transformer Engine version ... 9.9"])
     assert mlm.te_versions([te, local, dict(impl="te")]) == ["2.20.2"]
+
+
+def test_the_dry_plan_is_the_runs_only_selects() -> None:
+    """``--dry`` prints what a GPU call with the same options would run, ``--only`` included."""
+    out = subprocess.run([sys.executable, str(REPO / "validation" / "megatron_lm.py"), "--dry",
+                          "--groups", "local3@core-0.19.2", "--only", r"\|bf16\|"],
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    ids = [line.split()[0] for line in out.splitlines()]
+    assert ids == [c["id"] for c in mlm.plan(groups=("local3@core-0.19.2",))
+                   if "|bf16|" in c["id"]] and len(ids) == 9

@@ -1011,7 +1011,7 @@ def driver_main(a: argparse.Namespace) -> None:
                               "t_start": t0}
     report["env"] = env_info()
     report["calibration"] = run_matrix.calibrate()
-    cases = [c for c in plan(a.releases, a.groups) if not a.only or re.search(a.only, c["id"])]
+    cases = selected(a)
     missing = {rel: check.get("unit_tests_missing", []) for rel, check in checks.items()}
     drv = Driver(Paths(rel_dirs, src, missing), report["calibration"]["cycles_per_ms"],
                  t0 + a.budget_s, a.workers, a.case_timeout, a.unit_timeout)
@@ -1031,6 +1031,11 @@ def driver_main(a: argparse.Namespace) -> None:
     write(a.out, report)
     write(a.out.replace(".json", "-summary.json"), summary(report))
     print(f"wrote {a.out} ({report['wall_s']} s)")
+
+
+def selected(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """The plan of ``--releases`` and ``--groups``, cut to the ids ``--only`` matches."""
+    return [c for c in plan(a.releases, a.groups) if not a.only or re.search(a.only, c["id"])]
 
 
 def write(path: str, doc: dict[str, Any]) -> None:
@@ -1080,7 +1085,7 @@ def parse(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     args = parse()
     if args.dry:
-        for planned in plan(args.releases, args.groups):
+        for planned in selected(args):
             line = "" if planned["group"] == "unit" else " ".join(pretrain_args(planned))
             print(planned["id"], line)
     elif args.summary:
