@@ -81,7 +81,6 @@ ROW_KEYS = ("id", "group", "release", "dp", "launcher", "zero", "dtype", "overla
             "overlap_param_gather", "recompute", "moe", "variant", "delay_ms", "serialized",
             "outcome", "rel_l2", "max_abs", "first_bad_step", "iterations", "grad_pool",
             "grad_pool_allocations", "audit", "error")
-
 OUTCOMES = ("exact", "wrong", "crash", "unsupported", "ok", "ran, no truth", "not run")
 
 
@@ -302,8 +301,10 @@ def pretrain_args(c: dict[str, Any], size: dict[str, int] = SIZE) -> list[str]:
               "--recompute-num-layers", 1]
     if c["moe"]:
         a += ["--num-experts", z["experts"], "--moe-ffn-hidden-size", z["moe_ffn"],
-              "--moe-router-topk", 1, "--moe-router-pre-softmax", "--moe-grouped-gemm", "--moe-token-dispatcher-type",
-              "alltoall", "--moe-aux-loss-coeff", 0, "--moe-router-load-balancing-type", "none"]
+              # one expert per token: the releases require the softmax before the top-k
+              "--moe-router-topk", 1, "--moe-router-pre-softmax", "--moe-grouped-gemm",
+              "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", 0,
+              "--moe-router-load-balancing-type", "none"]
     if c["launcher"] == "fake":
         a.append("--fake-process-group")
     return [str(x) for x in a]
