@@ -132,15 +132,21 @@ def test_a_checkout_is_the_wheels_only_when_every_training_file_is_the_same(tmp_
         "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"
 
 
+def _archive(tmp_path: Path, ref: str, folder: str) -> Path:
+    """``folder`` of the Megatron-LM clone at ``ref``, unpacked under ``tmp_path``."""
+    out = tmp_path / ref
+    out.mkdir()
+    archive = subprocess.run(["git", "--git-dir", str(releases.MEGATRON_LM_GIT), "archive",
+                              ref, folder], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out
+
+
 @pytest.mark.skipif(releases.MEGATRON_LM_GIT is None, reason="needs MFSDP_TEST_MEGATRON_LM "
                     "(a Megatron-LM git dir)")
 def test_the_documented_revisions_are_the_wheels_training_code(tmp_path: Path) -> None:
     for release, ref in mlm.REVISIONS.items():
-        out = tmp_path / ref
-        out.mkdir()
-        archive = subprocess.run(["git", "--git-dir", str(releases.MEGATRON_LM_GIT), "archive",
-                                  ref, "megatron/training"], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+        out = _archive(tmp_path, ref, "megatron/training")
         for other in mlm.RELEASES:
             wheel = releases.unpacked("megatron-core", other.split("-")[1])
             assert mlm.matches(mlm.training_differences(str(out), str(wheel))) == \
@@ -180,11 +186,7 @@ def test_a_checkout_without_a_module_the_unit_tests_import_is_found_before_any_r
 def test_the_documented_revisions_hold_every_module_their_unit_tests_import(
         tmp_path: Path) -> None:
     for release, ref in mlm.REVISIONS.items():
-        out = tmp_path / ref
-        out.mkdir()
-        archive = subprocess.run(["git", "--git-dir", str(releases.MEGATRON_LM_GIT), "archive",
-                                  ref, "tests"], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+        out = _archive(tmp_path, ref, "tests")
         assert mlm.missing_test_modules(str(out), mlm.UNIT_TESTS[release]) == [], ref
         # a checkout given in part (as one GPU call once was) is found out
         (out / "tests" / "unit_tests" / "dist_checkpointing" / "utils.py").unlink()
