@@ -181,6 +181,105 @@ def test_a_checkout_without_a_module_the_unit_tests_import_is_found_before_any_r
     assert r["outcome"] == "not run" and r["error"].endswith(": tests.unit_tests.dist.utils")
 
 
+def _write(path: Path, text: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_unit_tests_are_collected_where_they_will_run_before_they_run(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """Real pytest through torchrun (and ``mfsdp_hotfix run``), on a checkout whose test imports
+    a module at the checkout's root, as 0.19's import ``hybrid_builders``."""
+    checkout, release, rel = tmp_path / "mlm", tmp_path / "wheel", "core-0.19.2"
+    for root in (checkout, release):
+        _write(root / "megatron" / "training" / "__init__.py", "# the same file\n")
+    for name in mlm.SCRIPTS:
+        _write(checkout / name)
+    _write(checkout / "hybrid_builders.py", "VALUE = 1\n")
+    folder = mlm.UNIT_TESTS[rel]
+    _write(checkout / folder / "test_a.py", "from hybrid_builders import VALUE\n\n\n"
+                                            "def test_a():\n    assert VALUE == 1\n")
+    monkeypatch.setattr(mlm.workdir, "run_dir", lambda: str(tmp_path / "run"))
+    src, checks = mlm.stage_sources({rel: str(checkout)}, {rel: str(release)})
+    assert checks[rel]["matches"] and checks[rel]["missing_scripts"] == []
+    paths = mlm.Paths({rel: str(release)}, src)
+    unit = {c["variant"]: c for c in mlm.plan(groups=(f"unit@{rel}",))}
+    for variant in ("shipped", "hotfix"):
+        got = mlm.collect_unit_tests(unit[variant], paths, 300)
+        assert got["errors"] == [], got
+        assert got["ids"] == [f"{folder}/test_a.py::test_a"]
+        assert got["hotfix"]["loaded"] is (variant == "hotfix")
+    # a run "as shipped" that loads the hotfix anyway is refused, not compared
+    site = tmp_path / "site"
+    _write(site / "sitecustomize.py", "import mfsdp_hotfix\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    got = mlm.collect_unit_tests(unit["shipped"], paths, 300)
+    assert got["errors"] == ["harness: the hotfix loaded=True in the shipped unit tests' "
+                             "process"]
+    monkeypatch.delenv("PYTHONPATH")
+    # a module of the root left behind: found in seconds, and no test run is started
+    (Path(src[rel]) / "hybrid_builders.py").unlink()
+    drv = mlm.Driver(paths, 1000.0, mlm.time.time() + 3600, 1, 240.0, 300.0)
+    monkeypatch.setattr(mlm, "run_unit_tests", lambda *a: pytest.fail("started"))
+    r = drv.one(unit["shipped"])
+    assert r["outcome"] == "not run"
+    assert "No module named 'hybrid_builders'" in r["error"], r["error"]
+
+
+def test_a_unit_test_file_past_its_limit_is_killed_with_its_worker_and_keeps_what_it_ended(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    checkout, release, rel = tmp_path / "mlm", tmp_path / "wheel", "core-0.18.2"
+    for root in (checkout, release):
+        _write(root / "megatron" / "training" / "__init__.py")
+    for name in mlm.SCRIPTS:
+        _write(checkout / name)
+    folder = checkout / mlm.UNIT_TESTS[rel]
+    _write(folder / "test_quick.py", "import pytest\n\ndef test_a():\n    pass\n\n"
+                                     "def test_b():\n    pytest.skip('needs 8 GPUs')\n")
+    pid_file = tmp_path / "worker.pid"
+    _write(folder / "test_hang.py", f"import os, time\n\ndef test_first():\n    pass\n\n"
+                                    f"def test_hang():\n"
+                                    f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                                    f"    time.sleep(300)\n")
+    monkeypatch.setattr(mlm.workdir, "run_dir", lambda: str(tmp_path / "run"))
+    src, _ = mlm.stage_sources({rel: str(checkout)}, {rel: str(release)})
+    paths = mlm.Paths({rel: str(release)}, src)
+    (unit,) = [c for c in mlm.plan(groups=(f"unit@{rel}",)) if c["variant"] == "shipped"]
+    collected = mlm.collect_unit_tests(unit, paths, 300)["ids"]
+    assert len(collected) == 4
+    r = mlm.run_unit_tests(unit, paths, 60.0, collected)
+    base = mlm.UNIT_TESTS[rel]
+    assert r["tests"] == {f"{base}/test_quick.py::test_a": "passed",
+                          f"{base}/test_quick.py::test_b": "skipped: needs 8 GPUs",
+                          f"{base}/test_hang.py::test_first": "passed"}
+    assert r["outcome"] == "ok" and r["cut"] and r["error"].endswith("test_hang.py")
+    assert r["hotfix"] == {"loaded": False}
+    # the pytest worker that torchrun started is gone too (it would hold the GPU)
+    pid = pid_file.read_text()
+    for _ in range(50):
+        state = Path(f"/proc/{pid}/stat")
+        if not state.exists() or state.read_text().split(") ")[1][0] in "ZX":
+            break
+        mlm.time.sleep(0.1)
+    else:
+        pytest.fail(f"the worker {pid} still runs")
+    table = mlm.unit_test_table([r])
+    assert table[rel]["cut"] == {"shipped": r["error"]}
+
+
+def test_a_checkout_without_pretrain_gpts_scripts_is_not_staged(tmp_path: Path,
+                                                               monkeypatch: Any) -> None:
+    checkout, release = tmp_path / "mlm", tmp_path / "wheel"
+    for root in (checkout, release):
+        _write(root / "megatron" / "training" / "__init__.py")
+    _write(checkout / "pretrain_gpt.py")
+    monkeypatch.setattr(mlm.workdir, "run_dir", lambda: str(tmp_path / "run"))
+    src, checks = mlm.stage_sources({"core-0.18.2": str(checkout)},
+                                    {"core-0.18.2": str(release)})
+    assert src == {} and checks["core-0.18.2"]["missing_scripts"] == [
+        "gpt_builders.py", "model_provider.py"]
+
+
 @pytest.mark.skipif(releases.MEGATRON_LM_GIT is None, reason="needs MFSDP_TEST_MEGATRON_LM "
                     "(a Megatron-LM git dir)")
 def test_the_documented_revisions_hold_every_module_their_unit_tests_import(
@@ -257,22 +356,77 @@ def test_summary_rows_have_exactly_the_schema_keys() -> None:
         mlm.report_tables({"rows": rows, "unit_tests": {}})
 
 
-def test_unit_test_outcomes_are_read_from_pytests_verbose_lines_as_they_come() -> None:
-    log = ("tests/unit_tests/a.py::TestA::test_x[a-b] PASSED [ 10%]\n"
-           "tests/unit_tests/a.py::test_y SKIPPED (This test requires 8 GPUs) [ 20%]\n"
-           "tests/unit_tests/a.py::test_z PASSED [ 30%]\n"
-           "tests/unit_tests/a.py::test_z ERROR [ 30%]\n"
-           "some other line\n")
-    assert mlm.pytest_outcomes(log) == {
-        "tests/unit_tests/a.py::TestA::test_x[a-b]": "passed",
-        "tests/unit_tests/a.py::test_y": "skipped: This test requires 8 GPUs",
-        "tests/unit_tests/a.py::test_z": "error"}
+def test_each_tests_end_is_what_pytest_reported_whatever_the_tests_print(
+        tmp_path: Path) -> None:
+    """Real pytest with the probe and Megatron-LM's own options (``-s``: the tests' prints
+    land amid pytest's lines)."""
+    _write(tmp_path / "pyproject.toml", '[tool.pytest.ini_options]\naddopts = "-s -rA"\n')
+    _write(tmp_path / "tests" / "test_a.py", """import pytest
+
+@pytest.fixture
+def broken_teardown():
+    yield
+    raise RuntimeError("teardown")
+
+@pytest.fixture
+def broken_setup():
+    raise RuntimeError("setup")
+
+class TestA:
+    @pytest.mark.parametrize("x", ["a b", "c"])
+    def test_x(self, x):
+        print("a print of the test")
+
+def test_skipped():
+    pytest.skip("This test requires 8 GPUs")
+
+def test_failed():
+    assert False
+
+def test_teardown(broken_teardown):
+    pass
+
+def test_setup(broken_setup):
+    pass
+
+@pytest.mark.xfail(reason="known")
+def test_xfail():
+    assert False
+
+@pytest.mark.xfail(reason="known")
+def test_xpass():
+    pass
+""")
+    ends = tmp_path / "ends.jsonl"
+    env = dict(os.environ, PYTHONPATH=mlm.PROBE, MFSDP_VAL_UNIT_ENDS=str(ends))
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
+                    "mfsdp_val_unit_probe", "-v", "tests"], cwd=tmp_path, env=env,
+                   capture_output=True, timeout=300)
+    # a run killed while writing a line keeps the lines before it
+    with open(ends, "a") as f:
+        f.write('{"id": "tests/test_a.py::test_cut", "en')
+    assert mlm.unit_test_ends(str(ends)) == {
+        "tests/test_a.py::TestA::test_x[a b]": "passed",
+        "tests/test_a.py::TestA::test_x[c]": "passed",
+        "tests/test_a.py::test_skipped": "skipped: This test requires 8 GPUs",
+        "tests/test_a.py::test_failed": "failed",
+        "tests/test_a.py::test_teardown": "error",
+        "tests/test_a.py::test_setup": "error",
+        "tests/test_a.py::test_xfail": "xfail",
+        "tests/test_a.py::test_xpass": "xpass"}
+
+
+def test_unit_tests_differ_only_where_both_runs_ended_them() -> None:
     table = mlm.unit_test_table([
-        dict(group="unit", release="core-0.19.2", variant="shipped",
-             tests={"t::a": "passed", "t::b": "skipped: x"}),
+        dict(group="unit", release="core-0.19.2", variant="shipped", hotfix={"loaded": False},
+             tests={"t::a": "passed", "t::b": "skipped: x", "t::c": "passed"}),
         dict(group="unit", release="core-0.19.2", variant="hotfix",
-             tests={"t::a": "failed", "t::b": "skipped: x"})])
+             hotfix={"loaded": True, "state": "active", "verdict": "affected: ..."},
+             tests={"t::a": "failed", "t::b": "skipped: y"})])
     assert table["core-0.19.2"]["differ"] == ["t::a"]
+    assert table["core-0.19.2"]["one_run_only"] == ["t::c"]
+    assert "* core-0.19.2, the hotfix in the tests' process: active; affected: ..." in \
+        mlm.report_tables({"rows": [], "unit_tests": table})
 
 
 def test_serialized_runs_are_compared_with_the_shipped_one_of_their_configuration(

@@ -59,8 +59,10 @@ if HERE not in sys.path:
 
 import comparison  # noqa: E402  (no torch at import)
 import workdir  # noqa: E402
+from mlm_probe import mfsdp_val_unit_probe  # noqa: E402
 
 INJECT = os.path.join(HERE, "mlm_inject")
+PROBE = os.path.join(HERE, "mlm_probe")  # the unit tests' pytest plugin
 RELEASES = ("core-0.19.2", "core-0.18.2")
 WHEELS = {"core-0.19.2": "megatron_core-0.19.2-*.whl", "core-0.18.2": "megatron_core-0.18.2-*.whl"}
 # the Megatron-LM revision each wheel's megatron/training was found identical to (the check is
@@ -362,20 +364,26 @@ class Paths:
 
 
 def stage_sources(checkouts: dict[str, str], rel_dirs: dict[str, str]) -> tuple[dict, dict]:
-    """Per release: check the checkout against the wheel, copy the scripts (and the unit tests)
-    into this run's folder. Returns (src dirs, checks)."""
+    """Per release: check the checkout against the wheel, copy its root's modules, its pytest
+    options and its ``tests/`` into this run's folder. Returns (src dirs, checks)."""
     src, checks = {}, {}
     for rel, checkout in checkouts.items():
         if rel not in rel_dirs:
             continue
         diff = training_differences(checkout, rel_dirs[rel])
-        checks[rel] = dict(diff, checkout=os.path.abspath(checkout), matches=matches(diff))
-        if not matches(diff):
+        checks[rel] = dict(diff, checkout=os.path.abspath(checkout), matches=matches(diff),
+                           missing_scripts=[n for n in SCRIPTS
+                                            if not os.path.isfile(os.path.join(checkout, n))])
+        if not matches(diff) or checks[rel]["missing_scripts"]:
             continue
         dest = os.path.join(workdir.run_dir(), "src", rel)
         os.makedirs(dest)
-        for name in SCRIPTS:
-            shutil.copy2(os.path.join(checkout, name), dest)
+        # every module at the root: SCRIPTS, and those the unit tests import besides (0.19's
+        # import hybrid_builders); pyproject.toml holds Megatron-LM's pytest options
+        for name in sorted(os.listdir(checkout)):
+            if (name.endswith(".py") or name == "pyproject.toml") and \
+                    os.path.isfile(os.path.join(checkout, name)):
+                shutil.copy2(os.path.join(checkout, name), dest)
         tests = os.path.join(checkout, "tests")
         if os.path.isdir(tests):
             shutil.copytree(tests, os.path.join(dest, "tests"))
@@ -548,64 +556,154 @@ def run_case(c: dict[str, Any], paths: Paths, cycles_per_ms: float, timeout: flo
     return rec
 
 
-def run_unit_tests(c: dict[str, Any], paths: Paths, timeout: float) -> dict[str, Any]:
-    """Megatron-LM's Megatron-FSDP unit tests on one GPU, as shipped or with the hotfix. Each
-    test's end is read from pytest's verbose lines as they come, so a run cut by the time budget
-    keeps the tests it finished (and says it was cut)."""
-    src = paths.src[c["release"]]
-    folder = os.path.join(workdir.run_dir(), "cases", c["id"].replace("|", "_"))
-    os.makedirs(folder)
+def unit_test_command(c: dict[str, Any], paths: Paths, *pytest_args: str
+                      ) -> tuple[list[str], dict[str, str]]:
+    """The unit tests' command line (through ``mfsdp_hotfix run`` for the hotfix) and
+    environment; collecting them and running them differ only in ``pytest_args`` (the last
+    ones: what to run, the release's folder unless given)."""
+    if not any(not a.startswith("-") for a in pytest_args):
+        pytest_args += (UNIT_TESTS[c["release"]],)
     argv = torchrun() + ["--nproc-per-node", "1", "--master-port", str(free_port()), "-m",
-                         "pytest", "-v", "-p", "no:cacheprovider", UNIT_TESTS[c["release"]]]
+                         "pytest", "-p", "no:cacheprovider", "-p", "mfsdp_val_unit_probe",
+                         *pytest_args]
     if c["variant"] == "hotfix":
         argv = [sys.executable, "-m", "mfsdp_hotfix", "run", "--"] + argv
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS",
                                                              "MFSDP_HOTFIX")}
-    env["PYTHONPATH"] = os.pathsep.join([src, paths.rel[c["release"]], REPO] + te_paths(c, env))
+    env["PYTHONPATH"] = os.pathsep.join([paths.src[c["release"]], paths.rel[c["release"]],
+                                         REPO, PROBE] + te_paths(c, env))
     env["PYTHONUNBUFFERED"] = "1"
-    t0 = time.time()
-    rc, log = _run(argv, env, src, timeout)
-    tests = pytest_outcomes(log)
-    rec = dict(c, argv=argv, rc=rc, proc_s=round(time.time() - t0, 1), tests=tests,
-               cut=rc == "timeout")
-    rec["outcome"] = "ok" if tests and rc != "timeout" else "crash"
-    if rc == "timeout":
-        rec["error"] = f"cut by the time budget after {len(tests)} tests"
+    return argv, env
+
+
+COLLECTED_LINE = re.compile(r"^(tests/\S+\.py::\S+)$")
+PYTEST_E_LINE = re.compile(r"^E\s+(\w+(?:Error|Exception)\b.*)$")
+
+
+def collect_unit_tests(c: dict[str, Any], paths: Paths, timeout: float) -> dict[str, Any]:
+    """``pytest --collect-only`` in the very environment the tests will run in: seconds, where a
+    module the environment lacks (a file of the checkout left behind, a package the machine does
+    not have) would otherwise cost a whole run that tests nothing. Returns the test ids, the
+    probe's word on the hotfix, and the errors: where pytest could not import a module, and a
+    run whose hotfix is loaded where it must not be, or not where it must."""
+    argv, env = unit_test_command(c, paths, "--collect-only", "-q")
+    rc, log = _run(argv, env, paths.src[c["release"]], timeout)
+    ids = [m.group(1) for m in map(COLLECTED_LINE.match, log.splitlines()) if m]
+    errors = list(dict.fromkeys(m.group(1).strip()[:300]
+                                for m in map(PYTEST_E_LINE.match, log.splitlines()) if m))
+    if rc != 0 and not errors:
+        errors = [last_error(log) or f"exit status {rc}"]
+    probe = unit_probe(log)
+    if not errors and (probe or {}).get("loaded") != (c["variant"] == "hotfix"):
+        errors = [f"harness: the hotfix loaded={(probe or {}).get('loaded')} in the "
+                  f"{c['variant']} unit tests' process"]
+    return {"ids": ids, "errors": errors, "hotfix": probe}
+
+
+def unit_probe(log: str) -> dict[str, Any] | None:
+    """The last line ``mfsdp_val_unit_probe`` printed (None: the plugin never ran)."""
+    found = None
+    for line in log.splitlines():
+        if line.startswith(mfsdp_val_unit_probe.MARK):
+            found = json.loads(line[len(mfsdp_val_unit_probe.MARK):])
+    return found
+
+
+def run_unit_tests(c: dict[str, Any], paths: Paths, timeout: float,
+                   collected: list[str]) -> dict[str, Any]:
+    """Megatron-LM's Megatron-FSDP unit tests on one GPU, as shipped or with the hotfix: each
+    test file in its own ``torchrun`` (a fresh process, as when a user runs one file), the files
+    side by side, each with its own temporary folder. Each test's end is read from pytest's
+    reports as they come (``unit_test_ends``), so a file cut by the time budget keeps the tests
+    it finished (and the run says it was cut)."""
+    files = list(dict.fromkeys(test.split("::")[0] for test in collected))
+    folder = os.path.join(workdir.run_dir(), "cases", c["id"].replace("|", "_"))
+
+    def one_file(path: str) -> dict[str, Any]:
+        argv, env = unit_test_command(c, paths, "-v", path)
+        mine = os.path.join(folder, os.path.basename(path))
+        env.update(TMPDIR=os.path.join(mine, "tmp"),
+                   MFSDP_VAL_UNIT_ENDS=os.path.join(mine, "ends.jsonl"))
+        os.makedirs(env["TMPDIR"])
+        t0 = time.time()
+        rc, log = _run(argv, env, paths.src[c["release"]], timeout)
+        with open(os.path.join(mine, "output.txt"), "w") as f:
+            f.write(log)
+        return dict(file=path, argv=argv, rc=rc, proc_s=round(time.time() - t0, 1),
+                    tests=unit_test_ends(env["MFSDP_VAL_UNIT_ENDS"]), hotfix=unit_probe(log),
+                    log=log)
+
+    with cf.ThreadPoolExecutor(len(files)) as ex:
+        runs = list(ex.map(one_file, files))
+    tests = {t: end for r in runs for t, end in r["tests"].items()}
+    cut = [r["file"] for r in runs if r["rc"] == "timeout"]
+    rec = dict(c, tests=tests, collected=len(collected), cut=bool(cut),
+               hotfix=next((r["hotfix"] for r in runs if r["hotfix"]), None),
+               files={r["file"]: {k: r[k] for k in ("argv", "rc", "proc_s")} | {
+                   "tests": len(r["tests"])} for r in runs})
+    # a file cut by the limit keeps what it finished; the table lists the tests it did not end
+    rec["outcome"] = "ok" if tests else "not run" if cut else "crash"
+    if cut:
+        rec["error"] = f"cut after {timeout:.0f} s, {len(tests)} tests ended: {', '.join(cut)}"
     elif not tests:
-        rec["error"] = last_error(log) or f"exit status {rc}"
-    rec["log_tail"] = log[-5000:]
+        rec["error"] = "; ".join(dict.fromkeys(last_error(r["log"]) or f"exit status {r['rc']}"
+                                               for r in runs))
+    # pytest's own exits: 0 all passed, 1 some failed; else, or nothing ended, the end is told
+    rec["log_tail"] = "".join(r["log"][-2500:] for r in runs
+                              if r["rc"] not in (0, 1) or not r["tests"])
     return rec
 
 
 def _run(argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> tuple[Any, str]:
-    """(exit status or "timeout", the output so far)."""
-    try:
-        p = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
-                           timeout=timeout)
-        return p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        parts = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                 for x in (e.stdout, e.stderr)]
-        return "timeout", "".join(parts)
+    """(exit status or "timeout", the output so far, stdout and stderr as they came). A run past
+    ``timeout`` is killed with every process under it: ``torchrun`` starts its worker in a
+    session of its own, which would hold the GPU, and the output's pipe open, past the kill."""
+    with subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, errors="replace") as p:
+        try:
+            out = p.communicate(timeout=timeout)[0]
+            return p.returncode, out
+        except subprocess.TimeoutExpired:
+            for pid in [p.pid] + descendants(p.pid):
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            return "timeout", p.communicate()[0]
 
 
-PYTEST_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b ?(.*?)"
-                         r"(?:\s+\[\s*\d+%\])?$")
-
-
-def pytest_outcomes(log: str) -> dict[str, str]:
-    """test id -> passed | failed | error | skipped: reason | xfail | xpass, from ``pytest -v``
-    output (a test reported twice, e.g. passed then errored in teardown, keeps the worse)."""
-    out: dict[str, str] = {}
-    for line in log.splitlines():
-        m = PYTEST_LINE.match(line.strip())
-        if not m:
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid``, from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        state = m.group(2).lower()
-        if state == "skipped":
-            state += ": " + m.group(3).strip(" ()")[:200]
-        if out.get(m.group(1), "").split(":")[0] not in ("failed", "error"):
-            out[m.group(1)] = state
+        children.setdefault(parent, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        found = children.get(todo.pop(), [])
+        out += found
+        todo += found
+    return out
+
+
+def unit_test_ends(path: str) -> dict[str, str]:
+    """test id -> passed | failed | error | skipped: reason | xfail | xpass, from the lines
+    ``mfsdp_val_unit_probe`` wrote (a test reported twice, e.g. passed then errored in
+    teardown, keeps the worse)."""
+    out: dict[str, str] = {}
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break  # the line a killed run was writing
+            end = json.loads(line)
+            if out.get(end["id"], "").split(":")[0] not in ("failed", "error"):
+                out[end["id"]] = end["end"]
     return out
 
 
@@ -637,6 +735,7 @@ def pipelined(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 FAIL_FAST = 8
+COLLECT_TIMEOUT = 180.0  # importing megatron and TE, nothing run
 MIN_START_S = 45  # a run started with less of the budget left would be cut
 MIN_FREE_DISK = 8 * 2**30  # a run's capture is about half a gigabyte; truths are kept
 
@@ -680,8 +779,9 @@ class Driver:
 
     def _one(self, c: dict[str, Any]) -> dict[str, Any]:
         if c["release"] not in self.paths.src:
-            return dict(c, outcome="not run", error="no checkout whose megatron/training "
-                        "matches this release's wheel")
+            return dict(c, outcome="not run", error="no checkout of this release: none given, "
+                        "its megatron/training is not the wheel's, or it lacks "
+                        + ", ".join(SCRIPTS) + " (the record's checkouts say which)")
         if c.get("truth_of") in self.truths:
             if self.truths[c["truth_of"]].result()["outcome"] == "not run":
                 return dict(c, outcome="not run", error="its serialized run was not run")
@@ -700,7 +800,14 @@ class Driver:
             if missing:
                 return dict(c, outcome="not run", error="the checkout lacks modules the unit "
                             "tests import: " + ", ".join(missing))
-            return run_unit_tests(c, self.paths, min(self.unit_timeout, left))
+            collected = collect_unit_tests(c, self.paths, min(COLLECT_TIMEOUT, left))
+            if collected["errors"] or not collected["ids"]:
+                # pytest runs no test where one module fails to import
+                return dict(c, outcome="not run", hotfix=collected["hotfix"],
+                            error="collecting the unit tests failed: "
+                            + ("; ".join(collected["errors"]) or "none found"))
+            left = self.deadline - time.time()
+            return run_unit_tests(c, self.paths, min(self.unit_timeout, left), collected["ids"])
         if c.get("impl") == "local" and self.te_building():
             with self.no_te_slots:  # bounded() reads the budget left after the wait
                 return self.bounded(c)
@@ -823,16 +930,23 @@ def row(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def unit_test_table(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per release: each test's end as shipped and with the hotfix, and the tests that differ."""
+    """Per release: each test's end as shipped and with the hotfix, the tests whose ends differ
+    (of those that ended in both runs), those that ended in one run only (one run was cut, or
+    its process died), which run was cut, and what the probe saw of the hotfix in each run's
+    process."""
     out: dict[str, Any] = {}
     for r in results:
         if r["group"] != "unit" or not r.get("tests"):
             continue
         out.setdefault(r["release"], {})[r["variant"]] = r["tests"]
+        out[r["release"]].setdefault("probe", {})[r["variant"]] = r.get("hotfix")
+        out[r["release"]].setdefault("cut", {})[r["variant"]] = r.get("error") if r.get(
+            "cut") else None
     for both in out.values():
         s, h = both.get("shipped") or {}, both.get("hotfix") or {}
-        both["differ"] = sorted(t for t in set(s) | set(h)
-                                if s.get(t, "absent").split(":")[0] != h.get(t, "absent").split(":")[0])
+        both["differ"] = sorted(t for t in set(s) & set(h)
+                                if s[t].split(":")[0] != h[t].split(":")[0])
+        both["one_run_only"] = sorted(set(s) ^ set(h))
     return out
 
 
@@ -985,6 +1099,11 @@ def report_tables(doc: dict[str, Any]) -> str:
                 out.append(f"| {rel} | {test.split('::')[-1]} | "
                            f"{shipped.get(test, '–').split(':')[0]} | "
                            f"{hotfix.get(test, '–').split(':')[0]} |")
+        out.append("")
+        for rel, both in units.items():
+            probe = (both.get("probe") or {}).get("hotfix") or {}
+            out.append(f"* {rel}, the hotfix in the tests' process: "
+                       f"{probe.get('state', 'not seen')}; {probe.get('verdict', '')}".rstrip("; "))
     return "\n".join(out)
 
 
@@ -1087,7 +1206,10 @@ if __name__ == "__main__":
     args = parse()
     if args.dry:
         for planned in selected(args):
-            line = "" if planned["group"] == "unit" else " ".join(pretrain_args(planned))
+            line = (("mfsdp-hotfix run -- " if planned["variant"] == "hotfix" else "")
+                    + "torchrun --nproc-per-node 1 -m pytest "
+                    f"{UNIT_TESTS[planned['release']]}/FILE, each file in its own process"
+                    if planned["group"] == "unit" else " ".join(pretrain_args(planned)))
             print(planned["id"], line)
     elif args.summary:
         print(json.dumps(summary(joined([read(path) for path in args.summary],
