@@ -409,9 +409,9 @@ def test_xpass():
         "tests/test_a.py::TestA::test_x[a b]": "passed",
         "tests/test_a.py::TestA::test_x[c]": "passed",
         "tests/test_a.py::test_skipped": "skipped: This test requires 8 GPUs",
-        "tests/test_a.py::test_failed": "failed",
-        "tests/test_a.py::test_teardown": "error",
-        "tests/test_a.py::test_setup": "error",
+        "tests/test_a.py::test_failed": "failed: assert False",
+        "tests/test_a.py::test_teardown": "error: RuntimeError: teardown",
+        "tests/test_a.py::test_setup": "error: RuntimeError: setup",
         "tests/test_a.py::test_xfail": "xfail",
         "tests/test_a.py::test_xpass": "xpass"}
 
@@ -425,8 +425,12 @@ def test_unit_tests_differ_only_where_both_runs_ended_them() -> None:
              tests={"t::a": "failed", "t::b": "skipped: y"})])
     assert table["core-0.19.2"]["differ"] == ["t::a"]
     assert table["core-0.19.2"]["one_run_only"] == ["t::c"]
-    assert "* core-0.19.2, the hotfix in the tests' process: active; affected: ..." in \
-        mlm.report_tables({"rows": [], "unit_tests": table})
+    report = mlm.report_tables({"rows": [], "unit_tests": table})
+    assert "| core-0.19.2 | hotfix | active: affected: ... | None | 0 | 1 | 1 | 0 | 0 | 0 | " \
+        in report  # nothing was collected in this table: "None"
+    assert "| core-0.19.2 | a | 1 | passed | failed |" in report
+    assert "| core-0.19.2 | c | 1 | passed | – |" in report  # ended in one run only
+    assert "| core-0.19.2 | x | 1 | 0 |" in report and "| core-0.19.2 | y | 0 | 1 |" in report
 
 
 def test_serialized_runs_are_compared_with_the_shipped_one_of_their_configuration(
@@ -463,7 +467,7 @@ def test_the_command_leaves_the_attention_backend_to_its_flag(tmp_path: Path,
 
 
 # the raw records of the summary, in the order of the calls that made them
-RECORDS = ("zero3", "zero2", "local", "te", "te-extras", "te-moe")
+RECORDS = ("zero3", "zero2", "local", "te", "te-extras", "te-moe", "unit", "rest")
 
 
 def test_the_committed_summary_is_what_the_raw_records_give() -> None:

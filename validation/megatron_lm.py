@@ -691,7 +691,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def unit_test_ends(path: str) -> dict[str, str]:
-    """test id -> passed | failed | error | skipped: reason | xfail | xpass, from the lines
+    """test id -> passed | failed: message | error: message | skipped: reason | xfail | xpass,
+    from the lines
     ``mfsdp_val_unit_probe`` wrote (a test reported twice, e.g. passed then errored in
     teardown, keeps the worse)."""
     out: dict[str, str] = {}
@@ -942,6 +943,7 @@ def unit_test_table(results: list[dict[str, Any]]) -> dict[str, Any]:
         out[r["release"]].setdefault("probe", {})[r["variant"]] = r.get("hotfix")
         out[r["release"]].setdefault("cut", {})[r["variant"]] = r.get("error") if r.get(
             "cut") else None
+        out[r["release"]].setdefault("collected", {})[r["variant"]] = r.get("collected")
     for both in out.values():
         s, h = both.get("shipped") or {}, both.get("hotfix") or {}
         both["differ"] = sorted(t for t in set(s) & set(h)
@@ -1090,21 +1092,64 @@ def report_tables(doc: dict[str, Any]) -> str:
             why = f": {r['error'][:80]}" if r.get("error") else ""
             out.append(f"| {r['id'].replace('|', ' ')} | {r['record']} | "
                        f"{r['outcome']}{why.replace('|', '/')} | {r['by_record']} |")
-    units = doc.get("unit_tests") or {}
-    if units:
-        out += ["", "| release | test | as shipped | with the hotfix |", "|---|---|---|---|"]
+    out += unit_test_tables(doc.get("unit_tests") or {})
+    return "\n".join(out)
+
+
+ENDS = ("passed", "failed", "skipped", "xfail", "xpass", "error")
+
+
+def unit_test_tables(units: dict[str, Any]) -> list[str]:
+    """The unit tests, three tables: each run's count of each end (and of the collected tests
+    it did not end), with the probe's word on the hotfix; the tests that neither passed nor
+    skipped, by test function and end; the skipped ones, by reason."""
+    if not units:
+        return []
+    out = ["", "| release | variant | the hotfix in the tests' process | collected | "
+           + " | ".join(ENDS) + " | not ended | ends unlike as shipped | ended in one run only |",
+           "|---|---|---|---|" + "---|" * len(ENDS) + "---|---|---|"]
+    for rel, both in units.items():
+        for variant in ("shipped", "hotfix"):
+            tests = both.get(variant) or {}
+            probe = (both.get("probe") or {}).get(variant) or {}
+            seen = ("not loaded" if probe.get("loaded") is False else
+                    f"{probe['state']}: {probe.get('verdict', '')}" if probe else "not seen")
+            ends = [sum(e.split(":")[0] == end for e in tests.values()) for end in ENDS]
+            collected = (both.get("collected") or {}).get(variant)
+            apart = ("–", "–") if variant == "shipped" else (
+                str(len(both["differ"])), str(len(both["one_run_only"])))
+            out.append(f"| {rel} | {variant} | {seen.replace('|', '/')} | {collected} | "
+                       + " | ".join(map(str, ends)) + f" | {(collected or 0) - len(tests)} | "
+                       + " | ".join(apart) + " |")
+
+    def grouped(keep) -> dict[tuple, int]:
+        found: dict[tuple, int] = {}
         for rel, both in units.items():
             shipped, hotfix = both.get("shipped") or {}, both.get("hotfix") or {}
             for test in sorted(set(shipped) | set(hotfix)):
-                out.append(f"| {rel} | {test.split('::')[-1]} | "
-                           f"{shipped.get(test, '–').split(':')[0]} | "
-                           f"{hotfix.get(test, '–').split(':')[0]} |")
-        out.append("")
-        for rel, both in units.items():
-            probe = (both.get("probe") or {}).get("hotfix") or {}
-            out.append(f"* {rel}, the hotfix in the tests' process: "
-                       f"{probe.get('state', 'not seen')}; {probe.get('verdict', '')}".rstrip("; "))
-    return "\n".join(out)
+                ends = (shipped.get(test, "–"), hotfix.get(test, "–"))
+                if keep(ends):
+                    key = (rel, test.split("::")[-1].split("[")[0]) + ends
+                    found[key] = found.get(key, 0) + 1
+        return found
+
+    def cell(end: str) -> str:
+        return end.replace("|", "/")[:160]
+
+    out += ["", "| release | test | cases | as shipped | with the hotfix |", "|---|---|---|---|---|"]
+    out += [f"| {rel} | {test} | {n} | {cell(s)} | {cell(h)} |" for (rel, test, s, h), n in
+            grouped(lambda e: any(x.split(":")[0] not in ("passed", "skipped")
+                                  for x in e)).items()]
+    reasons: dict[tuple, list[int]] = {}
+    for (rel, _, s, h), n in grouped(lambda e: any(x.startswith("skipped") for x in e)).items():
+        for i, end in enumerate((s, h)):
+            if end.startswith("skipped"):
+                reasons.setdefault((rel, end.split(":", 1)[1].strip()), [0, 0])[i] += n
+    out += ["", "| release | skipped because | as shipped | with the hotfix |", "|---|---|---|---|"]
+    out += [f"| {rel} | {cell(why)} | {n[0]} | {n[1]} |"
+            for (rel, why), n in sorted(reasons.items(),
+                                        key=lambda kv: (list(units).index(kv[0][0]), -kv[1][0]))]
+    return out
 
 
 def env_info() -> dict[str, Any]:

@@ -29,8 +29,9 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_logreport(report):
-    """passed | failed | skipped: reason | xfail | xpass, or error (setup or teardown failed);
-    a test's setup, call and teardown each report, the reader keeps the worst."""
+    """passed | failed: message | skipped: reason | xfail | xpass, or error: message (setup or
+    teardown failed); a test's setup, call and teardown each report, the reader keeps the
+    worst."""
     path = os.environ.get("MFSDP_VAL_UNIT_ENDS")
     if not path or (report.when != "call" and report.outcome == "passed"):
         return
@@ -39,8 +40,10 @@ def pytest_runtest_logreport(report):
     elif report.outcome == "skipped":
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         end = "skipped: " + str(reason).removeprefix("Skipped: ")[:200]
-    elif report.outcome == "failed" and report.when != "call":
-        end = "error"
+    elif report.outcome == "failed":
+        crash = getattr(report.longrepr, "reprcrash", None)
+        end = ("error" if report.when != "call" else "failed") + (
+            f": {crash.message.splitlines()[0][:300]}" if crash and crash.message else "")
     else:
         end = report.outcome
     with open(path, "a") as f:
