@@ -56,6 +56,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+if REPO not in sys.path:  # mfsdp_hotfix.selftest.processes, where the package is not installed
+    sys.path.append(REPO)
 
 import comparison  # noqa: E402  (no torch at import)
 import workdir  # noqa: E402
@@ -656,45 +658,24 @@ def run_unit_tests(c: dict[str, Any], paths: Paths, timeout: float,
 
 def _run(argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> tuple[Any, str]:
     """(exit status or "timeout", the output so far, stdout and stderr as they came). A run past
-    ``timeout`` is killed with every process under it: ``torchrun`` starts its worker in a
-    session of its own, which would hold the GPU, and the output's pipe open, past the kill."""
+    ``timeout`` is killed with every process under it (``torchrun``'s workers, in sessions of
+    their own, would hold the GPU, and the output's pipe, past the kill)."""
     with subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, errors="replace") as p:
         try:
             out = p.communicate(timeout=timeout)[0]
             return p.returncode, out
         except subprocess.TimeoutExpired:
-            for pid in [p.pid] + descendants(p.pid):
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
+            from mfsdp_hotfix.selftest.processes import kill_tree
+
+            kill_tree(p.pid)
             return "timeout", p.communicate()[0]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process under ``pid``, from ``/proc``."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        found = children.get(todo.pop(), [])
-        out += found
-        todo += found
-    return out
 
 
 def unit_test_ends(path: str) -> dict[str, str]:
     """test id -> passed | failed: message | error: message | skipped: reason | xfail | xpass,
-    from the lines
-    ``mfsdp_val_unit_probe`` wrote (a test reported twice, e.g. passed then errored in
-    teardown, keeps the worse)."""
+    from the lines ``mfsdp_val_unit_probe`` wrote (a test reported twice, e.g. passed then
+    errored in teardown, keeps the worse)."""
     out: dict[str, str] = {}
     if not os.path.exists(path):
         return out

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from mfsdp_hotfix.selftest import processes
 from mfsdp_hotfix.selftest.gpu_spec import LAYER_LABELS, GpuRun, GpuRunResult, merge
 from mfsdp_hotfix.selftest.gpu_worker import audit_prefix, report_file
 from mfsdp_hotfix.selftest.runner import worker_env
@@ -191,7 +192,9 @@ def launch(runs: list[GpuRun], out_dir: str, path: str | None, progress: TextIO
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """Kill a run: its process and every rank it started (its own session)."""
+    """Kill a run: its process and every rank it started. Its own session holds the worker of a
+    fake run; torchrun puts each rank in a session of its own, found by parent."""
+    processes.kill_tree(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
