@@ -133,9 +133,11 @@ def test_misspelt_variable_is_named_with_the_closest_known_one(fsdp_release) -> 
 @pytest.mark.parametrize("route", ["bootstrap", "none"])
 def test_a_misspelt_switch_is_told_once_on_stderr(fsdp_release, route: str) -> None:
     """``MFSDP_HOTFX=0`` leaves the hotfix armed: said once on stderr (by the bootstrap at
-    interpreter start where it runs, else by status), never mixed into the answer on stdout."""
+    interpreter start where it runs, else by status), never mixed into the answer on stdout;
+    other MFSDP_ names that users and launchers set are none of ours and stay quiet."""
     path = [ARMED] if route == "bootstrap" else []
-    proc = run_python("", *path, fsdp_release("0.5.1"), env={"MFSDP_HOTFX": "0"},
+    proc = run_python("", *path, fsdp_release("0.5.1"),
+                      env={"MFSDP_HOTFX": "0", "MFSDP_DEBUG": "1", "MFSDP_HOTFIX_DEBUG": "1"},
                       args=("-m", "mfsdp_hotfix", "status", "--check"))
     warning = ("MFSDP_HOTFX is not a variable mfsdp_hotfix reads (did you mean MFSDP_HOTFIX?); "
                "it is ignored")
