@@ -182,7 +182,10 @@ def _main(argv: list[str] | None) -> int:
     guide.add_argument("topic", nargs="?", metavar="COMMAND",
                        choices=[name for name in commands.choices if name != "help"],
                        help="one of the commands above")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would blame the top-level parser, and show its usage
+        (commands.choices[args.command] if args.command else parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:  # a usage error, with the list of commands
         sys.stderr.write(parser.format_help())
         parser.exit(USAGE_ERROR, "mfsdp-hotfix: error: name a COMMAND (see above; 'mfsdp-hotfix "
@@ -202,9 +205,9 @@ def _main(argv: list[str] | None) -> int:
             test.error(f"{', '.join(given)} only apply with --gpu")
         return _selftest(args.path, args.flavour, args.json, args.audit, args.protocol)
     if args.command == "run":
-        return _run(args.cmd, parser)
+        return _run(args.cmd, run)
     if args.command == "audit":
-        return _audit(args.out, args.cmd, parser, args.overwrite)
+        return _audit(args.out, args.cmd, audit, args.overwrite)
     print(bootstrap.SITECUSTOMIZE_DIR)
     return 0
 
@@ -502,7 +505,7 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser,
 
     from .audit import report as audit_report
 
-    command = _command(command, parser, "audit")
+    command = _command(command, parser, f"--out {out}")
     path = os.path.abspath(out)
     problem = _out_problem(out, path)
     earlier = audit_report.rank_files(path)
@@ -574,11 +577,16 @@ def _out_problem(out: str, path: str) -> str | None:
     return audit_report.probe(path)
 
 
-def _command(command: list[str], parser: argparse.ArgumentParser, verb: str) -> list[str]:
+def _command(command: list[str], parser: argparse.ArgumentParser, options: str = ""
+             ) -> list[str]:
+    """COMMAND after ``--``; none is a usage error of ``parser`` (the command's own), with an
+    example that has the ``options`` given."""
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
-        parser.error(f"{verb} needs a command: mfsdp-hotfix {verb} -- torchrun ... train.py")
+        verb = parser.prog.split()[-1]
+        parser.error(f"{verb} needs a command: {parser.prog} {options}{' ' if options else ''}"
+                     "-- torchrun ... train.py")
     return command
 
 
@@ -589,7 +597,7 @@ def _bootstrap_path() -> str:
 
 
 def _run(command: list[str], parser: argparse.ArgumentParser) -> int:
-    command = _command(command, parser, "run")
+    command = _command(command, parser)
     os.environ["PYTHONPATH"] = _bootstrap_path()
     try:
         os.execvp(command[0], command)

@@ -297,6 +297,16 @@ def test_help_command_prints_what_help_prints(command: str) -> None:
     assert want.returncode == 0 and want.stdout.startswith(f"usage: mfsdp-hotfix {command}")
 
 
+@pytest.mark.parametrize("args", [("selftest", "--release", "9.9.9"), ("status", "--bogus"),
+                                  ("run",), ("bootstrap-path", "x")])
+def test_a_usage_error_shows_its_own_commands_usage(args: tuple[str, ...]) -> None:
+    proc = run_python("", args=("-c", NO_TORCH, *args))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    usage, error = proc.stderr.split("\nmfsdp-hotfix ")
+    assert usage.startswith(f"usage: mfsdp-hotfix {args[0]} "), proc.stderr
+    assert error.startswith(f"{args[0]}: error: "), proc.stderr
+
+
 def test_help_of_an_unknown_command_is_a_usage_error() -> None:
     proc = run_python("", args=("-c", NO_TORCH, "help", "frobnicate"))
     assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr

@@ -61,8 +61,14 @@ def test_no_rank_file_is_no_data_and_a_failing_command_keeps_its_status(tmp_path
 
 
 def test_a_command_is_required(tmp_path: Path) -> None:
-    out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "a")))
-    assert out.returncode == 2 and "audit needs a command" in out.stderr
+    """A usage error of audit's own: its usage, and an example that keeps the required --out."""
+    for rest in ([], ["--"]):
+        out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "a"),
+                                   *rest))
+        assert out.returncode == 2 and out.stderr == (
+            "usage: mfsdp-hotfix audit --out PATH -- COMMAND [ARGS...]\n"
+            "mfsdp-hotfix audit: error: audit needs a command: mfsdp-hotfix audit --out "
+            f"{tmp_path / 'a'} -- torchrun ... train.py\n"), out.stderr
 
 
 def test_an_earlier_run_is_kept_unless_overwrite_is_given(tmp_path: Path) -> None:
