@@ -8,6 +8,7 @@ Megatron-FSDP copy; ``run`` starts a command with the sitecustomize bootstrap on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -521,17 +522,19 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser,
         except OSError as exc:
             print(f"mfsdp-hotfix audit: cannot remove {name} from an earlier run ({exc}); "
                   "the summary may include it", file=sys.stderr)
-    folder = os.path.dirname(path)
-    if not os.path.isdir(folder):
-        os.makedirs(folder)
-        print(f"mfsdp-hotfix audit: created the folder {folder} for the rank files",
-              file=sys.stderr)
+    created = _make_folders(os.path.dirname(path))
     env = dict(os.environ, PYTHONPATH=_bootstrap_path(), **{settings.AUDIT: path})
     try:
         child = subprocess.Popen(command, env=env)
     except OSError as exc:
+        for folder in created:  # nothing ran: leave nothing behind (but what another put there)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
         print(f"mfsdp-hotfix audit: cannot start {command[0]!r}: {exc}", file=sys.stderr)
         return CANNOT_START
+    if created:
+        print(f"mfsdp-hotfix audit: created the folder {created[0]} for the rank files",
+              file=sys.stderr)
     while True:
         try:
             status = child.wait()
@@ -555,6 +558,18 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser,
 def _names(files: dict[int, str]) -> str:
     names = [os.path.basename(name) for _, name in sorted(files.items())]
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _make_folders(folder: str) -> list[str]:
+    """Make ``folder`` and the folders above it that are missing; returns those made, deepest
+    first (removed again if the command cannot be started)."""
+    missing = []
+    while not os.path.isdir(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    for made in reversed(missing):
+        os.mkdir(made)
+    return missing
 
 
 def _out_problem(out: str, path: str) -> str | None:

@@ -98,9 +98,18 @@ def test_an_out_no_one_can_write_is_refused_before_anything_runs(tmp_path: Path)
     out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", "/proc/x", "--", "touch",
                                str(tmp_path / "ran")))
     assert out.returncode == 2 and out.stdout == "", out.stdout
-    assert out.stderr == ("mfsdp-hotfix audit: --out /proc/x: cannot create a file in /proc (No "
-                          "such file or directory); nothing was run\n"), out.stderr
+    assert out.stderr == ("mfsdp-hotfix audit: --out /proc/x: cannot create a file in /proc: it "
+                          "is on a proc filesystem, which takes no new files; nothing was "
+                          "run\n"), out.stderr
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_command_that_cannot_start_leaves_no_folder_behind(tmp_path: Path) -> None:
+    out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out",
+                               str(tmp_path / "new" / "deeper" / "a"), "--", "no-such-command"))
+    assert out.returncode == 127 and out.stderr.startswith(
+        "mfsdp-hotfix audit: cannot start 'no-such-command': "), out.stderr
+    assert "created the folder" not in out.stderr and list(tmp_path.iterdir()) == []
 
 
 def test_ranks_that_could_not_write_are_told_so_not_no_data(tmp_path: Path) -> None:
