@@ -98,9 +98,11 @@ def _main(argv: list[str] | None) -> int:
                     "(2 gloo ranks, fused wgrad, fsdp_double_buffer=True), once with "
                     "MFSDP_HOTFIX=0 and once with the hotfix; installs nothing. The last line "
                     "is 'selftest: PASS: ...' (exit 0), 'selftest: FAIL: ...' (exit 1: a fix "
-                    "failed) or 'selftest: CANNOT RUN: ...' (exit 2: no torch or numpy here).")
+                    "failed) or 'selftest: CANNOT RUN: ...' (exit 2: no torch or numpy here, "
+                    "or the copy asked for cannot be imported).")
     test.add_argument("--path", help="folder put first on sys.path of the test processes, "
-                                     "e.g. an unpacked release (default: as installed)")
+                                     "e.g. an unpacked release (default: as installed); "
+                                     "refused if it is not a folder")
     test.add_argument("--flavour", choices=["auto", "standalone", "core"], default="auto",
                       help="which Megatron-FSDP copy to test: 'standalone' (megatron_fsdp), "
                            "'core' (the copy vendored in megatron-core) or 'auto' (megatron-"
@@ -198,6 +200,12 @@ def _main(argv: list[str] | None) -> int:
         return _status(args.json, args.check, args.path, args.verbose)
     if args.command == "selftest":
         _note_audit_not_passed_on(args.json)
+        if args.path is not None:  # a mistyped --path must not test the installed copy instead
+            try:
+                tree.readable_folder(args.path)
+            except tree.TreeError as exc:
+                return _selftest_cannot_run(f"--path {exc}. Nothing was tested", args.json,
+                                            "gpu" if args.gpu else "cpu")
         if args.gpu:
             return _gpu_selftest(args)
         given = [f"--{name.replace('_', '-')}" for name in GPU_ONLY
@@ -435,24 +443,28 @@ def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool,
     try:
         import torch  # noqa: F401
     except ImportError:
-        print(f"selftest: {CANNOT_RUN}: no torch in this environment. The selftest runs on this "
-              "environment's own torch and Megatron-FSDP and installs nothing; to try it on a "
-              "machine without them, use a fresh virtual environment (README, 'Try it').",
-              file=sys.stderr)
-        return SELFTEST_CANNOT_RUN
+        return _selftest_cannot_run(
+            "no torch in this environment. The selftest runs on this environment's own torch "
+            "and Megatron-FSDP and installs nothing; to try it on a machine without them, use a "
+            "fresh virtual environment (README, 'Try it').", as_json, "cpu")
     try:
         import numpy  # noqa: F401
     except ImportError:
-        print(f"selftest: {CANNOT_RUN}: no numpy in this environment. torch.distributed's "
-              "all_gather_object, which Megatron-FSDP calls, needs it on CPU (gloo); "
-              "`pip install numpy`, or use a fresh virtual environment (README, 'Try it').",
-              file=sys.stderr)
-        return SELFTEST_CANNOT_RUN
-    from .selftest.selftest import audit_phase, conclusion, run_selftest
+        return _selftest_cannot_run(
+            "no numpy in this environment. torch.distributed's all_gather_object, which "
+            "Megatron-FSDP calls, needs it on CPU (gloo); `pip install numpy`, or use a fresh "
+            "virtual environment (README, 'Try it').", as_json, "cpu")
+    from .selftest.selftest import audit_phase, cannot_run, conclusion, run_selftest
 
     # With --json, stdout carries only the JSON; progress and the table go to stderr.
     runs = run_selftest(path=path, flavour=flavour, out=sys.stderr if as_json else sys.stdout,
                         audit=audit, protocol=protocol)
+    blocked = cannot_run(runs)
+    if blocked:  # said already, as the last line
+        if as_json:
+            print(json.dumps({"verdict": CANNOT_RUN, "conclusion": blocked, "mode": "cpu",
+                              "cannot_run": blocked.split(": ", 2)[2]}))
+        return SELFTEST_CANNOT_RUN
     passed, line = conclusion(runs)
     if as_json:
         results = ({"phases": [audit_phase(name, result) for name, result in runs]} if audit
@@ -460,6 +472,16 @@ def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool,
         print(json.dumps({"verdict": "PASS" if passed else "FAIL", "conclusion": line,
                           **results}, default=str))
     return SELFTEST_PASS if passed else SELFTEST_FAIL
+
+
+def _selftest_cannot_run(why: str, as_json: bool, mode: str) -> int:
+    """``selftest: CANNOT RUN: <why>`` on stderr (and with ``--json`` as the JSON's verdict)."""
+    line = f"selftest: {CANNOT_RUN}: {why}"
+    if as_json:
+        print(json.dumps({"verdict": CANNOT_RUN, "conclusion": line, "mode": mode,
+                          "cannot_run": why}))
+    print(line, file=sys.stderr)
+    return SELFTEST_CANNOT_RUN
 
 
 def _gpu_selftest(args: argparse.Namespace) -> int:
