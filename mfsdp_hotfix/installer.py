@@ -145,7 +145,8 @@ def uninstall() -> bool:
     with _lock:
         complete = True
         for record in _state.records.values():
-            for undo in record.undo.values():
+            # last applied, first undone: two fixes may wrap the same method
+            for undo in reversed(record.undo.values()):
                 complete = undo() and complete
         _state.records.clear()
         _state.installed = False

@@ -53,10 +53,10 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
-        "reduce-once": "would apply"}
+        "reduce-once": "would apply", "single-rank-reduce": "would apply"}
     assert [(x["fix"], x["covered"]) for x in copy["limits"]] == [
         ("getter-guard", True), ("ordered-drain", True), ("zero1-accumulate", True),
-        ("reduce-once", True)]
+        ("reduce-once", True), ("single-rank-reduce", True)]
 
 
 def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
@@ -70,7 +70,10 @@ def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
         "wgrad accumulation": True,
         "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True": True,
         "ZeRO-3 (optim_grads_params) with fsdp_double_buffer=True": True,
-        "ZeRO-1 (optim)": True}
+        "ZeRO-1 (optim)": True,
+        "ZeRO-2/3 (optim_grads, optim_grads_params) with a gradient buffer whose data-parallel "
+        "group has one rank (data-parallel size 1; experts with expert-parallel size equal to "
+        "the data-parallel size)": True}
 
 
 def test_switched_off_install_fails_the_check(fsdp_release) -> None:
@@ -86,7 +89,7 @@ def test_switched_off_says_off_everywhere(fsdp_release) -> None:
     assert {k: fix["state"] for k, fix in data["copies"][0]["fixes"].items()} == {
         "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed",
         "zero1-accumulate": "off",
-        "reduce-once": "off"}
+        "reduce-once": "off", "single-rank-reduce": "off"}
     for verbose in ((), ("--verbose",)):
         proc = run_python("", fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"},
                           args=("-m", "mfsdp_hotfix", "status", *verbose))
@@ -106,8 +109,9 @@ def test_switched_off_leaves_unfixed_only_what_the_copy_needs(fsdp_release, vers
     code, data = status(fsdp_release(version), env={"MFSDP_HOTFIX": "0"})
     (copy,) = data["copies"]
     # and the fixes of the release defects this copy has (zero1-accumulate from megatron-fsdp
-    # 0.2.0, reduce-once from 0.3.0: docs/RELEASE_DEFECTS.md)
-    outside = ["zero1-accumulate", "reduce-once"] if version != "0.1.0" else []
+    # 0.2.0, reduce-once from 0.3.0, single-rank-reduce in all: docs/RELEASE_DEFECTS.md)
+    outside = (["zero1-accumulate", "reduce-once"] if version != "0.1.0" else []) + [
+        "single-rank-reduce"]
     assert code == 1 and [x["fix"] for x in copy["limits"]] == needed + outside
     assert [line.rsplit(": ", 1)[1].split()[0] for line in data["unfixed"]] == needed + outside
     if version == "0.6.1":
@@ -190,9 +194,10 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
     fixes = {fix: state["state"] for fix, state in data["copies"][0]["fixes"].items()}
     assert fixes == {"getter-guard": "refused", "ordered-drain": "refused",
                      "missed-post-backward": "not needed", "zero1-accumulate": "would apply",
-                     "reduce-once": "would apply"}
+                     "reduce-once": "would apply", "single-rank-reduce": "would apply"}
     assert [d["name"] for d in data["copies"][0]["release_defects"]] == [
-        "zero1-fused-wgrad-overwrite", "unsharded-grads-reduced-twice"]
+        "zero1-fused-wgrad-overwrite", "unsharded-grads-reduced-twice",
+        "single-rank-grads-reduced-every-microbatch"]
     assert status(root, check=False)[0] == 0
 
 
