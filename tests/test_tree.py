@@ -154,7 +154,8 @@ def test_cli_text_json_and_check(capsys: pytest.CaptureFixture[str], tmp_path: P
     code, out, _ = run_cli(capsys, "--path", str(tmp_path), "--check")
     assert code == cli.CHECK_UNFIXED and out.startswith(
         "affected: megatron-core 0.13 custom_fsdp (no version metadata, not recognised) — NOT "
-        "protected: left as shipped (its main_grad getter is a class-level property"), out
+        "protected: getter-guard, ordered-drain left as shipped (its main_grad getter is a "
+        "class-level property"), out
     code, out, _ = run_cli(capsys, "--path", str(tmp_path), "--check", "--verbose")
     assert code == cli.CHECK_UNFIXED and "Left unfixed:" in out
 
