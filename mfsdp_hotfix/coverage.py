@@ -134,17 +134,20 @@ def limits(found: Detection, fixes: dict[str, tuple[str, str]],
     return out
 
 
-def check(found: Detection, fixes: dict[str, tuple[str, str]], model: Any) -> None:
-    """Raise :class:`~mfsdp_hotfix.UnsupportedConfiguration` if the model just built is in a
-    configuration this copy needs an unavailable fix for, or that a release defect of its code
-    hits. A model whose code path cannot be read (a fork) counts as on it."""
+def check(found: Detection, fixes: dict[str, tuple[str, str]], ddp_config: Any,
+          model: Any = None) -> None:
+    """Raise :class:`~mfsdp_hotfix.UnsupportedConfiguration` if the model just built with
+    ``ddp_config`` is in a configuration this copy needs an unavailable fix for, or that a
+    release defect of its code hits. ``model``: the built model, for a limit whose
+    configuration its ddp_config alone cannot tell; without it, or where its code path cannot
+    be read (a fork), the model counts as in that configuration."""
     from .errors import UnsupportedConfiguration
 
     for limit in LIMITS:
         state, why = _state(limit, found, fixes)
-        if not (_UNCOVERED.get(state) and limit.matches(model.ddp_config)):
+        if not (_UNCOVERED.get(state) and limit.matches(ddp_config)):
             continue
-        if limit.hits is not None:
+        if limit.hits is not None and model is not None:
             try:
                 if not limit.hits(model):
                     continue

@@ -294,7 +294,7 @@ def _after_model_init(record: CopyRecord, wrapped: Any, instance: Any, args: tup
     wrapped(*args, **kwargs)
     with _lock:
         _note_failures()
-    coverage.check(record.detection, record.fixes, instance)
+    coverage.check(record.detection, record.fixes, instance.ddp_config, instance)
     global _summary_logged
     if not _summary_logged:
         _summary_logged = True
