@@ -40,7 +40,9 @@ FIX_STATES = {
     installer.WOULD_APPLY: "applied as soon as this copy is imported",
     "not needed": "this copy's code does not have the defect the fix repairs",
     "disabled": f"listed in {settings_module.DISABLED_FIXES}",
-    "failed": "the fix raised inside the hotfix and was switched off; the code runs as shipped",
+    "failed": "the fix raised inside the hotfix (while being installed, or later while "
+              "training) and was switched off for the rest of the process; the code runs as "
+              "shipped",
     "unverified": "this copy's code around the fix is not a shape the hotfix knows: not "
                   "applied, and building a model in a configuration it covers is refused",
     "off": f"{settings_module.SWITCH}=0",
