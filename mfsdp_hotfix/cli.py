@@ -55,7 +55,8 @@ class _CommandListFormatter(argparse.HelpFormatter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``mfsdp-hotfix``; a closed stdout (``| head``) ends it quietly with status 141."""
+    """``mfsdp-hotfix``; a closed stdout (``| head``) ends it quietly with status 141 (``status``
+    keeps its own)."""
     try:
         try:
             code = _main(argv)
