@@ -90,3 +90,76 @@ def test_a_refused_copys_fixes_are_reported_not_enforced() -> None:
     assert {x["fix"]: x["refused_at_model_construction"]
             for x in coverage.limits(FOUND, fixes)} == {"getter-guard": False,
                                                         "ordered-drain": False}
+
+
+def _model(strategy: str = "optim_grads_params", div_fusion: bool = False,
+           average: bool = False, scaling: float | None = 0.5, distributed: bool = True,
+           dtype: str = "torch.float32") -> SimpleNamespace:
+    """A built model as megatron-fsdp 0.2.3 has it: its ddp_config and gradient buffers."""
+    config = SimpleNamespace(fsdp_double_buffer=False, data_parallel_sharding_strategy=strategy,
+                             overlap_grad_reduce=True, gradient_reduce_div_fusion=div_fusion,
+                             average_in_collective=average)
+    buffer = SimpleNamespace(is_data_distributed=distributed, gradient_scaling_factor=scaling,
+                             dtype=dtype)
+    groups = [SimpleNamespace(main_grad_buffer=None), SimpleNamespace(main_grad_buffer=buffer)]
+    return SimpleNamespace(ddp_config=config,
+                           param_and_grad_buffer=SimpleNamespace(parameter_groups=groups))
+
+
+def _carrying(shape_name: str | None) -> Detection:
+    """FOUND with its bucket reduction in the shape of that name (None: unknown)."""
+    shape = next((s for s in registry.SHAPES[registry.BUCKET_REDUCE] if s.name == shape_name),
+                 None)
+    return Detection(FOUND.copy, FOUND.module_path, FOUND.version,
+                     {registry.BUCKET_REDUCE: shape}, {}, {}, FOUND.era, FOUND.reason)
+
+
+@pytest.mark.parametrize("model", [
+    _model(), _model("optim_grads"), _model(div_fusion=True, dtype="torch.bfloat16")],
+    ids=["zero3-scale-then-sum", "zero2-scale-then-sum", "bf16-buffer"])
+def test_a_release_defect_no_fix_repairs_refuses_the_models_it_hits(
+        model: SimpleNamespace) -> None:
+    """megatron-fsdp 0.1.0-0.2.3 scale the local shard, not the bucket they reduce, on the
+    branch of gradient_reduce_preprocessing that scales in place and SUMs."""
+    with pytest.raises(UnsupportedConfiguration) as caught:
+        coverage.check(_carrying("0.14"), {}, model.ddp_config, model)
+    message = str(caught.value)
+    assert ("its _bucket_group_gradient_reduce has the release defect "
+            "sharded-grads-summed-unscaled, which no fix repairs") in message
+    assert "data-parallel size times too large" in message
+    assert "Workaround: calculate_per_token_loss=True" in message
+    (limit,) = [x for x in coverage.limits(_carrying("0.14"), {}) if x["fix"] is None]
+    assert limit["defect"] == "sharded-grads-summed-unscaled" and not limit["covered"]
+    assert limit["refused_at_model_construction"] is True
+    (off,) = [x for x in coverage.limits(_carrying("0.14"), {}, enforced=False)
+              if x["fix"] is None]
+    assert off["refused_at_model_construction"] is False
+
+
+@pytest.mark.parametrize("model", [
+    _model("optim"), _model("no_shard"), _model(scaling=None), _model(average=True),
+    _model(div_fusion=True), _model(distributed=False)],
+    ids=["zero1", "no_shard", "per-token-loss", "average-in-collective", "fp32-div-fusion",
+         "one-rank"])
+def test_a_release_defect_no_fix_repairs_leaves_other_models_alone(
+        model: SimpleNamespace) -> None:
+    coverage.check(_carrying("0.14"), {}, model.ddp_config, model)
+
+
+@pytest.mark.parametrize("shape", ["0.16", "0.17"])
+def test_a_copy_without_the_defect_is_not_refused(shape: str) -> None:
+    model = _model()
+    coverage.check(_carrying(shape), {}, model.ddp_config, model)
+    assert all(x["fix"] for x in coverage.limits(_carrying(shape), {}))
+
+
+def test_an_unknown_carrier_does_not_rule_the_defect_out() -> None:
+    """A fork's bucket reduction: the defect may be there; a model whose buffers cannot be read
+    counts as on its code path."""
+    model = _model()
+    with pytest.raises(UnsupportedConfiguration, match="is not ruled out"):
+        coverage.check(_carrying(None), {}, model.ddp_config, model)
+    coverage.check(_carrying(None), {}, model.ddp_config, _model(div_fusion=True))
+    fork = SimpleNamespace(ddp_config=model.ddp_config)
+    with pytest.raises(UnsupportedConfiguration, match="could not be read"):
+        coverage.check(_carrying(None), {}, model.ddp_config, fork)
