@@ -13,7 +13,7 @@ import pytest
 import releases
 import torch
 
-from mfsdp_hotfix import detection, fingerprints, registry, structure
+from mfsdp_hotfix import cli, detection, fingerprints, registry, structure, tree
 from mfsdp_hotfix.fixes import reduce_once
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseSpec
@@ -160,6 +160,91 @@ def test_a_fork_with_the_upstream_condition_needs_no_fix(tmp_path: Path) -> None
     assert shape is not None and shape.name.endswith("reduces unsharded gradients once")
     assert not found.needs(registry.REDUCE_ONCE) and not found.needs(
         registry.MISSED_POST_BACKWARD)
+
+
+# NVIDIA/Megatron-LM#6357's condition of both hooks, in its words (comments aside).
+UPSTREAM_CONDITION = ("if grad_reduce_every_bprop or (\n                self.ddp_config"
+                      ".overlap_grad_reduce\n                and (is_last_microbatch or "
+                      "self.model_auto_sync)\n            ):")
+# The first statement after the reduction of _process_post_backward_gradients.
+AFTER_THE_IF = "            # Mark parameters as processed.\n"
+LAST_MICROBATCH = '            is_last_microbatch = getattr(self, "is_last_microbatch", False)\n'
+# Each edit reduces outside the condition, or makes it undecidable.
+OUTSIDE_THE_CONDITION = {
+    "else-branch": (AFTER_THE_IF, "            else:\n                self.grad_reduce_pipeline"
+                                  ".reduce_gradients(param_list)\n\n" + AFTER_THE_IF),
+    "after-the-if": (AFTER_THE_IF, "            self.grad_reduce_pipeline.reduce_gradients("
+                                   "param_list)\n\n" + AFTER_THE_IF),
+    "getattr-default": ("(\n                self.ddp_config.overlap_grad_reduce\n",
+                        '(\n                getattr(self, "reduce_in_hooks", '
+                        'self.ddp_config.overlap_grad_reduce)\n'),
+    "unknown-assignment": (LAST_MICROBATCH, LAST_MICROBATCH + "            grad_reduce_every_"
+                           "bprop = grad_reduce_every_bprop or self._reduce_every_bprop()\n"),
+}
+
+
+def upstream_condition_copy(root: Path) -> Path:
+    """megatron-fsdp 0.6.1 with both hooks' condition rewritten as #6357 writes it."""
+    shutil.copytree(releases.unpacked("megatron-fsdp", "0.6.1"), root)
+    model = root / "megatron_fsdp" / "megatron_fsdp.py"
+    text = model.read_text()
+    assert text.count(RELEASE_CONDITION) == 2
+    model.write_text(text.replace(RELEASE_CONDITION, UPSTREAM_CONDITION))
+    return model
+
+
+def test_the_upstream_condition_alone_needs_no_fix(tmp_path: Path) -> None:
+    upstream_condition_copy(tmp_path / "site")
+    (copy,) = tree.judge(str(tmp_path / "site"))["copies"]
+    assert copy["fixes"]["reduce-once"]["state"] == "not needed"
+
+
+@pytest.mark.parametrize("variant", sorted(OUTSIDE_THE_CONDITION))
+def test_a_reduction_outside_the_upstream_condition_is_never_not_needed(
+        tmp_path: Path, variant: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A reduction the hooks may call outside #6357's condition, or under one the recogniser
+    cannot decide, leaves the copy needing the fix or unverified: never "not needed"."""
+    model = upstream_condition_copy(tmp_path / "site")
+    old, new = OUTSIDE_THE_CONDITION[variant]
+    text = model.read_text()
+    assert old in text
+    model.write_text(text.replace(old, new, 1))
+    assert structure.hook_reduction(hooks_source(tmp_path / "site")) is None
+    (copy,) = tree.judge(str(tmp_path / "site"))["copies"]
+    assert copy["fixes"]["reduce-once"]["state"] == "unverified"
+    assert cli.main(["status", "--verbose", "--path", str(tmp_path / "site")]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "reduce-once: unverified" in out and "reduce-once: not needed" not in out
+
+
+def test_the_real_upstream_change_is_still_recognised() -> None:
+    """NVIDIA/Megatron-LM#6357's own megatron_fsdp.py, read from the clone."""
+    head = releases.git_tree("refs/pull/6357/head")
+    if head is None:
+        pytest.skip("NVIDIA/Megatron-LM#6357 needs a Megatron-LM clone: set "
+                    "MFSDP_TEST_MEGATRON_LM")
+    assert structure.hook_reduction(hooks_source(head)) == structure.REDUCES_ONCE
+    setter = fingerprints.parse_file(head / "megatron_fsdp" / "megatron_fsdp.py").source(
+        registry.OVERWRITE_SETTER)
+    assert structure.decides_overwrite_main_grad(setter)
+    found = detection.detect_file(registry.COPIES[0],
+                                  head / "megatron_fsdp" / "param_and_grad_buffer.py")
+    assert not found.needs(registry.REDUCE_ONCE) and not found.needs(registry.ZERO1_ACCUMULATE)
+
+
+def test_a_collective_outside_the_guarded_loop_is_not_skipping(tmp_path: Path) -> None:
+    """0.3.1's all_reduce_gradients skips every buffer; with one more all-reduce after its
+    loop it reduces, and is recognised as neither."""
+    buffer = releases.unpacked("megatron-fsdp", "0.3.1") / "megatron_fsdp" / \
+        "param_and_grad_buffer.py"
+    source = fingerprints.parse_file(buffer).source(registry.ALL_REDUCE)
+    assert structure.skips_every_buffer(source)
+    loop_end = "        for op in all_reduce_ops:\n"
+    assert loop_end in source
+    edited = source.replace(loop_end, "        torch.distributed.all_reduce(self.grad_data)\n"
+                            + loop_end)
+    assert not structure.skips_every_buffer(edited)
+    assert not structure.reduces_every_buffer(edited)
 
 
 def test_the_defect_is_the_fixs() -> None:
