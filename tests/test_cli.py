@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_python
+from conftest import REFUSES_HSDP, run_python
 
 from mfsdp_hotfix import bootstrap, reporting
 
@@ -55,7 +55,11 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
         "reduce-once": "would apply"}
     assert [(x["fix"], x["covered"]) for x in copy["limits"]] == [
         ("getter-guard", True), ("ordered-drain", True), ("zero1-accumulate", True),
+        ("reduce-once", False), ("reduce-once", False), ("reduce-once", True),
         ("reduce-once", True)]
+    assert [x["configuration"] for x in copy["limits"] if not x["covered"]] == [
+        "HSDP with ZeRO-1 (optim) and overlap_grad_reduce=False",
+        "HSDP with no_shard and overlap_grad_reduce=False"]
 
 
 def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
@@ -107,7 +111,8 @@ def test_switched_off_leaves_unfixed_only_what_the_copy_needs(fsdp_release, vers
     # and the fixes of the release defects this copy has (zero1-accumulate from megatron-fsdp
     # 0.2.0, reduce-once from 0.3.0: docs/RELEASE_DEFECTS.md)
     outside = ["zero1-accumulate", "reduce-once"] if version != "0.1.0" else []
-    assert code == 1 and [x["fix"] for x in copy["limits"]] == needed + outside
+    assert code == 1 and list(dict.fromkeys(x["fix"] for x in copy["limits"])) == (
+        needed + outside)
     assert [line.rsplit(": ", 1)[1].split()[0] for line in data["unfixed"]] == needed + outside
     if version == "0.6.1":
         assert ">=" not in json.dumps(copy["limits"]), copy["limits"]
@@ -164,7 +169,7 @@ def test_the_api_answers_for_this_process(fsdp_release) -> None:
     assert json.loads(proc.stdout.splitlines()[-1]) == {
         "affected": True, "protected": True,
         "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active and "
-                "applies ordered-drain, zero1-accumulate, reduce-once"}
+                "applies ordered-drain, zero1-accumulate, reduce-once" + REFUSES_HSDP}
 
 
 def test_disabled_fix_fails_the_check(fsdp_release) -> None:
@@ -211,7 +216,9 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
         return
     assert lines[:2] == [
         "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed and applies "
-        "getter-guard, ordered-drain, zero1-accumulate, reduce-once",
+        "getter-guard, ordered-drain, zero1-accumulate, reduce-once; refuses HSDP with ZeRO-1 "
+        "(optim) and overlap_grad_reduce=False at model construction (no fix makes it right): "
+        "use overlap_grad_reduce=True (the default)",
         "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate, "
         f"reduce-once would apply; at {fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
     assert lines[2].endswith(": the hotfix is armed at interpreter start by the sitecustomize "

@@ -247,6 +247,35 @@ def test_a_collective_outside_the_guarded_loop_is_not_skipping(tmp_path: Path) -
     assert not structure.reduces_every_buffer(edited)
 
 
+def unrecognised_hooks_copy(root: Path, version: str) -> Path:
+    """A release whose hooks decide the reduction by a call the recogniser cannot evaluate."""
+    shutil.copytree(releases.unpacked("megatron-fsdp", version), root)
+    model = root / "megatron_fsdp" / "megatron_fsdp.py"
+    text = model.read_text()
+    assert text.count(RELEASE_CONDITION) == 2
+    model.write_text(text.replace(RELEASE_CONDITION,
+                                  "if grad_reduce_every_bprop or self.should_reduce():"))
+    return root
+
+
+@pytest.mark.parametrize(("version", "state", "limited"), [
+    ("0.2.3", "not needed", []),
+    ("0.3.1", "unverified", ["optim"]),
+    ("0.6.1", "unverified", ["optim", "no_shard"])])
+def test_unrecognised_hooks_limit_only_the_strategies_whose_synchronous_reduction_reduces(
+        tmp_path: Path, version: str, state: str, limited: list[str]) -> None:
+    """Where finish_grad_sync reduces nothing (0.1.0-0.2.3 both strategies, 0.3-0.4 no_shard)
+    the hooks' reduction is the only one, whatever it looks like: not affected, not refused."""
+    (copy,) = tree.judge(str(unrecognised_hooks_copy(tmp_path / "site", version)))["copies"]
+    assert copy["shapes"][registry.HOOKS] is None
+    assert copy["fixes"]["reduce-once"]["state"] == state
+    labels = {"optim": "ZeRO-1 (optim)", "no_shard": "no_shard"}
+    assert [limit["configuration"] for limit in copy["limits"]
+            if limit["fix"] == "reduce-once" and not limit["configuration"].startswith(
+                "HSDP")] == [f"{labels[strategy]} with overlap_grad_reduce=False"
+                             for strategy in limited]
+
+
 def test_the_defect_is_the_fixs() -> None:
     defect = registry.UNSHARDED_GRADS_REDUCED_TWICE
     assert defect in registry.RELEASE_DEFECTS and defect.fix == registry.REDUCE_ONCE.id
@@ -270,3 +299,26 @@ def test_shipped_reduces_twice_and_the_fix_reduces_once(strategy: str,
     assert not shipped.crashed and (shipped.max_abs_grad_error or 0) > 0, shipped.exception
     fixed = run_case(case(strategy, "on", **fields))
     assert not fixed.crashed and fixed.max_abs_grad_error == 0.0, fixed.exception
+
+
+def hsdp_case(path: Path, hotfix: str, overlap: bool) -> CaseSpec:
+    return CaseSpec(flavour="standalone", path=str(path), hotfix=hotfix, strategy="optim",
+                    world=4, outer=2, overlap_grad_reduce=overlap, double_buffer=False,
+                    linear="unfused", microbatches=1, units=4)
+
+
+@pytest.mark.slow
+def test_hsdp_zero1_without_overlap_is_refused_not_made_worse() -> None:
+    """HSDP (DP-Outer 2 x DP-Shard 2) with ZeRO-1 and overlap_grad_reduce=False, megatron-fsdp
+    0.6.1 on 4 gloo ranks: wrong as shipped (reduced twice), and reduce-once alone would leave
+    out the DP-Outer all-reduce (wrong too, by more). With the hotfix the model is refused when
+    it is built, naming the workaround, which is exact."""
+    release = releases.unpacked("megatron-fsdp", "0.6.1")
+    shipped = run_case(hsdp_case(release, "off", overlap=False))
+    assert not shipped.crashed and (shipped.max_abs_grad_error or 0) > 0.1, shipped.exception
+    refused = run_case(hsdp_case(release, "on", overlap=False))
+    assert refused.crashed and "UnsupportedConfiguration" in (refused.exception or "")
+    assert "Workaround: overlap_grad_reduce=True" in (refused.exception or "")
+    workaround = run_case(hsdp_case(release, "on", overlap=True))
+    assert not workaround.crashed and (workaround.max_abs_grad_error or 1) < 1e-6, (
+        workaround.exception)
