@@ -259,6 +259,10 @@ def _fix_state_if_on(fix: Fix, found: Detection, settings: settings_module.Setti
     if unknown:
         return REFUSED, (f"it rests on {', '.join(unknown)}, whose code shape this hotfix does "
                          "not know in this copy, so the fix is not applied")
+    reductions = [found.shapes.get(name) for name in fix.reductions]
+    if reductions and all(shape is not None and not shape.reduces for shape in reductions):
+        # the defect needs a synchronous reduction that reduces, whatever the gate's shape
+        return "not needed", _NOT_NEEDED[fix.id]
     strange = [name for name in ((fix.gate,) if fix.gate else ()) + fix.reductions
                if found.shapes.get(name) is None]
     if strange:
@@ -300,7 +304,7 @@ def _after_model_init(record: CopyRecord, wrapped: Any, instance: Any, args: tup
     wrapped(*args, **kwargs)
     with _lock:
         _note_failures()
-    coverage.check(record.detection, record.fixes, instance.ddp_config, instance)
+    coverage.check(record.detection, record.fixes, instance)
     global _summary_logged
     if not _summary_logged:
         _summary_logged = True

@@ -511,7 +511,11 @@ UNSHARDED_GRADS_REDUCED_TWICE = ReleaseDefect(
     "of the data-parallel size with a SUM reduction, calculate_per_token_loss)",
     ("overlap_grad_reduce=True (the default)",),
     REDUCE_ONCE.upstream,
-    "nothing: every configuration with the defect is repaired where the fix applies",
+    "HSDP (a DP-Outer group of 2 or more ranks) with ZeRO-1 or no_shard and "
+    "overlap_grad_reduce=False: finish_grad_sync reduces over the DP-Shard group only, and the "
+    "DP-Outer all-reduce is only in the hooks' reduction, so reducing once there is wrong too "
+    "(NVIDIA main, with NVIDIA/Megatron-LM#6357, as well). Building such a model is refused, "
+    "whatever the fix's state; use overlap_grad_reduce=True",
 )
 SINGLE_RANK_GRADS = ReleaseDefect(
     "single-rank-grads-reduced-every-microbatch",

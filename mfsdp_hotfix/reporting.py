@@ -180,7 +180,8 @@ def verdict(data: dict[str, Any], hotfix: str | None) -> dict[str, Any]:
                                    if state in PROTECTING))
         how = ("repaired where the hotfix is loaded: it applies " if hotfix is None else
                f"protected: the hotfix is {hotfix} and applies ")
-        return {"affected": True, "protected": True, "line": f"{head} — {how}{', '.join(fixes)}"}
+        return {"affected": True, "protected": True,
+                "line": f"{head} — {how}{', '.join(fixes) or 'none'}{_refused_line(copies)}"}
     return {"affected": True, "protected": False,
             "line": f"{head} — NOT protected: {why}; {'; '.join(remedies)}"}
 
@@ -198,7 +199,21 @@ def fix_states(copy: dict[str, Any], failures: Mapping[str, str]) -> dict[str, t
 
 def _affected(copy: dict[str, Any]) -> bool:
     return bool(copy["refused"] or copy.get("release_defects") or any(
-        state["state"] != "not needed" for state in copy["fixes"].values()))
+        state["state"] != "not needed" for state in copy["fixes"].values())
+        or any(not limit["covered"] for limit in copy.get("limits", [])))
+
+
+def _refused_line(copies: list[dict[str, Any]]) -> str:
+    """The configurations no fix makes right, refused when a model is built (:mod:`.coverage`),
+    each with its workaround; '' where there is none."""
+    refused: dict[str, dict[str, None]] = {}
+    for copy in copies:
+        for limit in copy.get("limits", []):
+            if limit.get("refused_at_model_construction"):
+                refused.setdefault(limit["workaround"], {})[limit["configuration"]] = None
+    return "".join(f"; refuses {', '.join(configurations)} at model construction (no fix "
+                   f"makes it right): use {workaround}"
+                   for workaround, configurations in refused.items())
 
 
 def name(copy: dict[str, Any]) -> str:

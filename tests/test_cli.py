@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_python
+from conftest import REFUSES_HSDP, run_python
 
 from mfsdp_hotfix import bootstrap, reporting
 
@@ -59,7 +59,11 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
         "reduce-once": "would apply", "single-rank-reduce": "would apply"}
     assert [(x["fix"], x["covered"]) for x in copy["limits"]] == [
         ("getter-guard", True), ("ordered-drain", True), ("zero1-accumulate", True),
+        ("reduce-once", False), ("reduce-once", False), ("reduce-once", True),
         ("reduce-once", True), ("single-rank-reduce", True)]
+    assert [x["configuration"] for x in copy["limits"] if not x["covered"]] == [
+        "HSDP with ZeRO-1 (optim) and overlap_grad_reduce=False",
+        "HSDP with no_shard and overlap_grad_reduce=False"]
 
 
 def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
@@ -148,7 +152,7 @@ def test_switched_off_leaves_unfixed_only_what_the_copy_needs(fsdp_release, vers
         "single-rank-reduce"]
     # and 0.1.0's defect that no fix repairs (docs/OLDEST_RELEASES.md)
     unrepaired = ["sharded-grads-summed-unscaled"] if version == "0.1.0" else []
-    assert code == 1 and [x["fix"] or x["defect"] for x in copy["limits"]] == (
+    assert code == 1 and list(dict.fromkeys(x["fix"] or x["defect"] for x in copy["limits"])) == (
         needed + outside + unrepaired)
     fixes = [line for line in data["unfixed"] if ": release defect " not in line]
     assert [line.rsplit(": ", 1)[1].split()[0] for line in fixes] == needed + outside
@@ -210,7 +214,7 @@ def test_the_api_answers_for_this_process(fsdp_release) -> None:
     assert json.loads(proc.stdout.splitlines()[-1]) == {
         "affected": True, "protected": True,
         "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active and "
-                "applies ordered-drain, zero1-accumulate, reduce-once"}
+                "applies ordered-drain, zero1-accumulate, reduce-once" + REFUSES_HSDP}
 
 
 def test_disabled_fix_fails_the_check(fsdp_release) -> None:
@@ -258,7 +262,9 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
         return
     assert lines[:2] == [
         "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed and applies "
-        "getter-guard, ordered-drain, zero1-accumulate, reduce-once",
+        "getter-guard, ordered-drain, zero1-accumulate, reduce-once; refuses HSDP with ZeRO-1 "
+        "(optim) and overlap_grad_reduce=False at model construction (no fix makes it right): "
+        "use overlap_grad_reduce=True (the default)",
         "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate, "
         f"reduce-once would apply; at {fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
     assert lines[2].endswith(": the hotfix is armed at interpreter start by the sitecustomize "

@@ -199,7 +199,10 @@ def test_unparseable_file_is_refused(tmp_path: Path) -> None:
     ("return p._gbuf.get(self.pipe._enforce_double_buffer_limit([1]), p._gbuf.fetch_bucket())",
      False),
     ("self.pipe._enforce_double_buffer_limit([1])\nreturn None", False),
-], ids=["rocm-146", "upstream-0.19", "after-fetch", "conditional", "same-statement", "no-fetch"])
+    ("fetch = p._gbuf.fetch_bucket\nbucket = fetch()\nself.pipe._enforce_double_buffer_limit([1])"
+     "\nreturn p._gbuf.fetch_bucket()", False),
+], ids=["rocm-146", "upstream-0.19", "after-fetch", "conditional", "same-statement", "no-fetch",
+        "fetched-through-a-name"])
 def test_drains_before_fetching(body: str, drains: bool) -> None:
     source = "    def main_grad_getter(p):\n" + "".join(
         f"        {line}\n" for line in body.splitlines())

@@ -255,9 +255,13 @@ def test_the_drain_on_the_callers_stream_is_the_change_proposed_upstream(
     ("            double_buf_units.add(fsdp_unit_id)\n            if len(double_buf_units)",
      "            queued_units = {fsdp_unit_id}\n            if len(queued_units)", 1),
     ("for bucket_id in add_buckets:", "for bucket_id in []:", 1),
+    ("keep_n = len(self.grad_reduce_queue)\n",
+     "keep_n = len(self.grad_reduce_queue)\n        keep_n = min(keep_n, 1)\n", 1),
+    ("            if len(double_buf_units) > buffer_count:",
+     "            buffer_count = 1\n            if len(double_buf_units) > buffer_count:", 1),
 ], ids=["retires-one-more", "constant-assert", "not-from-a-config", "retires-all",
         "retires-two-at-once", "queued-units-not-counted", "counts-another-set",
-        "assert-not-on-the-incoming-units"])
+        "assert-not-on-the-incoming-units", "keep-n-set-again", "pool-size-set-again"])
 def test_another_drain_with_a_configured_pool_size_is_still_refused(
         tmp_path: Path, old: str, new: str, count: int, callers_stream: bool) -> None:
     snapshot = snapshots.SNAPSHOTS["pr6316"]
