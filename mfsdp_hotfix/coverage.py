@@ -166,6 +166,16 @@ LIMITS = (
           registry.SHARDED_GRADS_SUMMED_UNSCALED.symptom,
           " or ".join(registry.SHARDED_GRADS_SUMMED_UNSCALED.workarounds),
           defect=registry.SHARDED_GRADS_SUMMED_UNSCALED),
+    Limit(None,
+          "ZeRO-1 (optim) with overlap_grad_reduce=True, or HSDP with ZeRO-2/3 and a one-rank "
+          "DP-Shard gradient group",
+          lambda model: ((model.ddp_config.data_parallel_sharding_strategy == "optim"
+                          and model.ddp_config.overlap_grad_reduce)
+                         or (_sharded(model) and model.dist_index.use_hybrid_fsdp
+                             and has_one_rank_gradient_group(model))),
+          registry.UNSHARDED_SHARD_ADDED_TO_ITSELF.symptom,
+          " or ".join(registry.UNSHARDED_SHARD_ADDED_TO_ITSELF.workarounds),
+          defect=registry.UNSHARDED_SHARD_ADDED_TO_ITSELF),
 )
 
 # Fix states that leave a configuration failing, and whether building a model in it is refused.

@@ -213,14 +213,16 @@ SHAPES.update({qualname: (
     Shape("skips every buffer", structure="skips_every_buffer", reduces=False))
     for qualname in SYNCHRONOUS_REDUCTIONS.values()})
 # megatron-fsdp 0.1.0-0.2.3 / megatron-core 0.14.0-0.15.3 pre-scale the buffer's local data,
-# not the bucket they reduce (SHARDED_GRADS_SUMMED_UNSCALED); 0.3.0 / 0.16.0 scale the bucket.
+# not the bucket they reduce (SHARDED_GRADS_SUMMED_UNSCALED); 0.3.0 / 0.16.0 scale the bucket,
+# but reduce-scatter an unsharded buffer into itself and then add the result onto it
+# (UNSHARDED_SHARD_ADDED_TO_ITSELF), which 0.1.0-0.2.3 all-reduce and 0.4.0 / 0.17.0 copy.
 # A text not listed here may have any of the defects (status says so; a model built in a
 # configuration one of them hits is refused).
 SHAPES[BUCKET_REDUCE] = (
     Shape("0.14", "f01923e16ccee5d907463f6c716bef6a16e5f8cb65a00e7a2c3cb27967c4322b",
           carries=frozenset({"sharded-grads-summed-unscaled"})),
     Shape("0.16", "ce9962803fc1cf08756f51a63756077f8cec43d67828c6831448a560d7e109e7",
-          note="scales the bucket it reduces"),
+          carries=frozenset({"unsharded-shard-added-to-itself"})),
     Shape("0.17", "dc74523e2efbcce02a3015f671701ce60296c8a3cdf7605be77c6d151280f37f",
           note="scales the bucket it reduces"),
 )
@@ -540,7 +542,8 @@ SINGLE_RANK_GRADS = ReleaseDefect(
      "not experts)"),
     SINGLE_RANK_REDUCE.upstream,
     "HSDP with a one-rank DP-Shard group on megatron-fsdp 0.3.0-0.3.1 / megatron-core 0.16, "
-    "whose last reduction still adds the buffer onto itself",
+    "whose last reduction still adds the buffer onto itself (unsharded-shard-added-to-itself: "
+    "refused)",
 )
 SHARDED_GRADS_SUMMED_UNSCALED = ReleaseDefect(
     "sharded-grads-summed-unscaled",
@@ -567,8 +570,30 @@ SHARDED_GRADS_SUMMED_UNSCALED = ReleaseDefect(
     "(UnsupportedConfiguration) while the hotfix is loaded",
     carrier=BUCKET_REDUCE,
 )
+UNSHARDED_SHARD_ADDED_TO_ITSELF = ReleaseDefect(
+    "unsharded-shard-added-to-itself",
+    None,
+    {"megatron-fsdp": "0.3.0-0.3.1", "megatron-core": "0.16.0-0.16.1"},
+    "any copy whose GradReducePipeline._bucket_group_gradient_reduce has the text these "
+    "releases shipped (it adds every reduce-scattered shard onto the gradient buffer, sharded or "
+    "not)",
+    "ZeRO-1 (optim) with overlap_grad_reduce=True (the default), whatever the number of ranks "
+    "and microbatches; and HSDP with ZeRO-2/3 whose DP-Shard group has one rank",
+    "silently wrong gradients: the backward hooks reduce-scatter an unsharded gradient buffer "
+    "into its own shard and then add the reduced shard onto that shard, so each rank's "
+    "gradients are its own unreduced ones plus the mean (or twice the mean, with the double "
+    "buffer, whose shard is the bucket itself)",
+    ("ZeRO-1 with overlap_grad_reduce=False (with the hotfix: reduce-once leaves the reduction "
+     "to finish_grad_sync, which does not add)",
+     "ZeRO-2 or ZeRO-3",
+     "megatron-fsdp >= 0.4.0 / megatron-core >= 0.17.0, which copy the reduced shard"),
+    "fixed in megatron-fsdp 0.4.0 / megatron-core 0.17.0",
+    "every configuration it hits: no fix repairs it, and a model built in one is refused "
+    "(UnsupportedConfiguration) while the hotfix is loaded",
+    carrier=BUCKET_REDUCE,
+)
 RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE, UNSHARDED_GRADS_REDUCED_TWICE, SINGLE_RANK_GRADS,
-                   SHARDED_GRADS_SUMMED_UNSCALED)
+                   SHARDED_GRADS_SUMMED_UNSCALED, UNSHARDED_SHARD_ADDED_TO_ITSELF)
 
 
 def defects_of(fixes: Mapping[str, str],
