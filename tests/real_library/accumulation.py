@@ -42,6 +42,7 @@ AUTO_SYNC_ACCUMULATION = "auto-sync-accumulation"
 SINGLE_RANK = "single-rank-grads-reduced-every-microbatch"
 SELF_ADD = "unsharded-shard-added-to-itself"
 SHARD_SCALED = "scale-then-sum-scales-the-shard"
+OUTER_SKIPPED = "hsdp-outer-reduce-skipped-without-overlap"
 # The hotfix's fix for each release cause.
 REPAIRED_BY = {ZERO1_OVERWRITE: "zero1-accumulate", REDUCED_TWICE: "reduce-once",
                SINGLE_RANK: "single-rank-reduce"}
@@ -73,6 +74,11 @@ CAUSES = {
               "unconditionally; where the buffer is not distributed (ZeRO-1, or a group of one "
               "rank) the shard is the bucket, so the gradients are doubled, with one microbatch "
               "too)",
+    OUTER_SKIPPED: "release: hsdp-outer-reduce-skipped-without-overlap (HSDP over ZeRO-1 with "
+                   "overlap_grad_reduce=False: finish_grad_sync's synchronous reduction "
+                   "reduces over DP-Shard only, and DP-Outer's all-reduce lives in the backward "
+                   "hooks' pipeline; where the hooks do not reduce without overlap, as on NVIDIA "
+                   "main (#6357) and with reduce-once, DP-Outer is never reduced)",
     SHARD_SCALED: "release: scale-then-sum-scales-the-shard (megatron-fsdp 0.1.0-0.2.3, "
                   "megatron-core 0.14-0.15: with gradient_reduce_div_fusion=False the scale "
                   "1/data-parallel size is applied to the rank's accumulated shard instead of "
@@ -315,7 +321,7 @@ def present(case: Case) -> list[str]:
     if (released and release >= (0, 2, 0) and strategy == "optim" and case.linear == "emulated"
             and several):
         found.append(ZERO1_OVERWRITE)
-    if released and world == 2 and not case.overlap_grad_reduce and (
+    if released and world > 1 and not case.overlap_grad_reduce and (
             (strategy == "optim" and release >= (0, 3, 0))
             or (strategy == "no_shard" and release >= (0, 5, 0)
                 and case.grad_reduce == "per-token")):  # a second average changes nothing
@@ -339,7 +345,13 @@ def causes(case: Case, grads_equal: bool, applied: list[str] | None = None) -> l
     (``applied``, ``REPAIRED_BY``)."""
     if grads_equal:
         return []
-    return [cause for cause in present(case) if REPAIRED_BY.get(cause) not in (applied or [])]
+    found = [cause for cause in present(case) if REPAIRED_BY.get(cause) not in (applied or [])]
+    layout = STRATEGIES[case.layout]
+    if (layout["strategy"] == "optim" and layout.get("outer", 1) > 1
+            and not case.overlap_grad_reduce
+            and (case.release.startswith("git:") or "reduce-once" in (applied or []))):
+        found.append(OUTER_SKIPPED)
+    return found
 
 
 def applied_fixes(result: Any) -> list[str]:
