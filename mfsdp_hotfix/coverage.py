@@ -31,6 +31,8 @@ class Limit:
     matches: Callable[[Any], bool]  # the model's ddp_config -> in this configuration?
     failure: str  # without the fix; "{defect}" is the copy's era defect
     workaround: str
+    # the built model -> is its layout one this limit is about (its groups, not its config)
+    layout: Callable[[Any], bool] = lambda model: True
 
 
 LIMITS = (
@@ -69,7 +71,24 @@ LIMITS = (
                           and not config.overlap_grad_reduce),
           registry.UNSHARDED_GRADS_REDUCED_TWICE.symptom,
           " or ".join(registry.UNSHARDED_GRADS_REDUCED_TWICE.workarounds)),
+    Limit(registry.SINGLE_RANK_REDUCE.id,
+          "ZeRO-2/3 (optim_grads, optim_grads_params) with a gradient buffer whose "
+          "data-parallel group has one rank (data-parallel size 1; experts with expert-parallel "
+          "size equal to the data-parallel size)",
+          lambda config: config.data_parallel_sharding_strategy in _SHARDED_GRADS,
+          registry.SINGLE_RANK_GRADS.symptom,
+          " or ".join(registry.SINGLE_RANK_GRADS.workarounds),
+          layout=lambda model: has_one_rank_gradient_group(model)),
 )
+
+
+def has_one_rank_gradient_group(model: Any) -> bool:
+    """Whether a gradient buffer of ``model`` (a built ``MegatronFSDP``) is reduced over a
+    data-parallel group of one rank."""
+    return any(group.main_grad_buffer is not None
+               and group.main_grad_buffer.data_parallel_group.size() == 1
+               for group in model.param_and_grad_buffer.parameter_groups)
+
 
 # Fix states that leave a configuration failing, and whether building a model in it is refused.
 _UNCOVERED = {"unverified": True, "failed": True, "disabled": False, "off": False,
@@ -92,14 +111,17 @@ def limits(found: Detection, fixes: dict[str, tuple[str, str]]) -> list[dict[str
     return out
 
 
-def check(found: Detection, fixes: dict[str, tuple[str, str]], ddp_config: Any) -> None:
+def check(found: Detection, fixes: dict[str, tuple[str, str]], ddp_config: Any,
+          model: Any = None) -> None:
     """Raise :class:`~mfsdp_hotfix.UnsupportedConfiguration` if the model just built with
-    ``ddp_config`` is in a configuration this copy needs an unavailable fix for."""
+    ``ddp_config`` is in a configuration this copy needs an unavailable fix for (``model``: the
+    built model, whose layout a limit may ask about; None: any layout)."""
     from .errors import UnsupportedConfiguration
 
     for limit in LIMITS:
         state, reason = fixes.get(limit.fix, ("not needed", ""))
-        if _UNCOVERED.get(state) and limit.matches(ddp_config):
+        if (_UNCOVERED.get(state) and limit.matches(ddp_config)
+                and (model is None or limit.layout(model))):
             raise UnsupportedConfiguration(
                 f"mfsdp_hotfix: {found.copy.label} {found.copy.distribution} "
                 f"{found.version or '(version unknown)'} at {found.module_path} is not covered "

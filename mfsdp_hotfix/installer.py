@@ -39,7 +39,8 @@ _FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
                registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module"),
                registry.MISSED_POST_BACKWARD.id: ("missed_post_backward", "model_module"),
                registry.ZERO1_ACCUMULATE.id: ("zero1_accumulate", "model_module"),
-               registry.REDUCE_ONCE.id: ("reduce_once", "buffer_module")}
+               registry.REDUCE_ONCE.id: ("reduce_once", "buffer_module"),
+               registry.SINGLE_RANK_REDUCE.id: ("single_rank_reduce", "model_module")}
 _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains before it "
                                          "allocates, as NVIDIA/Megatron-LM#5222 and "
                                          "ROCm/Megatron-LM#146 do",
@@ -56,7 +57,11 @@ _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains be
                registry.REDUCE_ONCE.id: "its backward hooks reduce unsharded gradients only "
                                         "with overlap_grad_reduce (NVIDIA/Megatron-LM#6357), "
                                         "or its finish_grad_sync reduces none of them without "
-                                        "overlap (the hooks' reduction is their only one)"}
+                                        "overlap (the hooks' reduction is their only one)",
+               registry.SINGLE_RANK_REDUCE.id: "its backward hooks reduce a gradient buffer "
+                                               "whose data-parallel group has one rank once per "
+                                               "step, not every microbatch "
+                                               "(NVIDIA/Megatron-LM#6773)"}
 REFUSED = "refused"
 
 
@@ -279,7 +284,7 @@ def _after_model_init(record: CopyRecord, wrapped: Any, instance: Any, args: tup
     """Once a model exists: refuse a configuration this copy is not covered for, log the
     process's summary line (once) and compare ranks."""
     wrapped(*args, **kwargs)
-    coverage.check(record.detection, record.fixes, instance.ddp_config)
+    coverage.check(record.detection, record.fixes, instance.ddp_config, instance)
     global _summary_logged
     if not _summary_logged:
         _summary_logged = True

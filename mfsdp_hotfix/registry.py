@@ -156,11 +156,13 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
     # post-forward releases its parameters lazily, before 0.16 it keeps them gathered. Every
     # release's hooks also reduce unsharded gradients on the last microbatch whatever
     # overlap_grad_reduce says (reduce-once); NVIDIA/Megatron-LM#6357 reduces them there only
-    # with overlap.
+    # with overlap. With ZeRO-2/3 every release's hooks, and NVIDIA main's before
+    # NVIDIA/Megatron-LM#6773, reduce every gradient buffer in every microbatch, a buffer whose
+    # data-parallel group has one rank too (single-rank-reduce).
     HOOKS: (
         Shape("0.14", "165cb11b0521d204ab991b78257547ca679b491978d7c2240c64068e0ffe4ce0",
-              needs=frozenset({"missed-post-backward", "reduce-once"})),
-        *(Shape(name, fingerprint, needs=frozenset({"reduce-once"}))
+              needs=frozenset({"missed-post-backward", "reduce-once", "single-rank-reduce"})),
+        *(Shape(name, fingerprint, needs=frozenset({"reduce-once", "single-rank-reduce"}))
           for name, fingerprint in (
               ("0.16", "819fea0a1dbddaa5c909b026dd6660a873509886698a31a6d71e785aef76e450"),
               ("0.17", "32fe8ef255b44a394c015edfbcaaf81868496e158c1dc3d32e7dbae0c93ef99c"),
@@ -170,10 +172,10 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
         # NVIDIA main), told apart by what their reduction condition yields (structure.py).
         Shape("releases stale units lazily, reduces unsharded gradients once",
               structure="lazy_and_reduces_unsharded_once",
-              note="a stale unit's parameters are released lazily; unsharded gradients are "
-                   "reduced in the hooks only with overlap_grad_reduce"),
+              needs=frozenset({"single-rank-reduce"})),
         Shape("releases stale units lazily, reduces unsharded gradients in the hooks always",
-              structure="lazy_and_reduces_unsharded_always", needs=frozenset({"reduce-once"})),
+              structure="lazy_and_reduces_unsharded_always",
+              needs=frozenset({"reduce-once", "single-rank-reduce"})),
     ),
     # Fused wgrad accumulation overwrites main_grad where the parameter says so. Right with
     # sharded gradients (each microbatch's wgrad lands in a fresh bucket that is reduce-scattered
@@ -360,10 +362,21 @@ REDUCE_ONCE = Fix(
     "megatron-fsdp 0.6.1)",
     gate=HOOKS, reductions=(REDUCE_SCATTER, ALL_REDUCE),
 )
+SINGLE_RANK_REDUCE = Fix(
+    "single-rank-reduce",
+    "with ZeRO-2/3, a gradient buffer whose data-parallel group has one rank (data-parallel size "
+    "1; the experts' when expert-parallel equals data-parallel) accumulates its microbatches in "
+    "place (fused wgrad adds into it) and is scaled once per step in finish_grad_sync, instead "
+    "of being reduced over that one rank in every microbatch",
+    (), False,
+    "NVIDIA/Megatron-LM#6773 (on main; not in a release as of megatron-core 0.19.2 / "
+    "megatron-fsdp 0.6.1)",
+    gate=HOOKS,
+)
 # The double buffer's fixes (the eras); the others repair release defects outside it and rest on
 # none of the double buffer's functions, so they apply to a copy refused for those.
 DOUBLE_BUFFER_FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
-FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE, REDUCE_ONCE)
+FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE, REDUCE_ONCE, SINGLE_RANK_REDUCE)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
 
 
@@ -475,7 +488,32 @@ UNSHARDED_GRADS_REDUCED_TWICE = ReleaseDefect(
     REDUCE_ONCE.upstream,
     "nothing: every configuration with the defect is repaired where the fix applies",
 )
-RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE, UNSHARDED_GRADS_REDUCED_TWICE)
+SINGLE_RANK_GRADS = ReleaseDefect(
+    "single-rank-grads-reduced-every-microbatch",
+    SINGLE_RANK_REDUCE.id,
+    {"megatron-fsdp": "0.1.0-0.6.1", "megatron-core": "0.14.0-0.19.2"},
+    "any copy whose MegatronFSDP._register_fsdp_hooks reduces every ZeRO-2/3 gradient buffer in "
+    "every microbatch whatever the size of its data-parallel group (git installs of NVIDIA main "
+    "before NVIDIA/Megatron-LM#6773, forks based on those releases)",
+    "ZeRO-2/3 (optim_grads, optim_grads_params) where a gradient buffer's data-parallel group "
+    "has one rank: every run with data-parallel size 1 (one GPU, or all of them given to "
+    "tensor/pipeline/context parallelism), and the expert gradients of MoE runs whose "
+    "expert-parallel size equals their data-parallel size; with 2 or more microbatches per "
+    "step, and from one microbatch on megatron-fsdp 0.1.0-0.3.1 / megatron-core 0.14-0.16",
+    "silently wrong gradients: that buffer is main_grad itself and must add up the step's "
+    "microbatches, but fused wgrad overwrites it (only the last microbatch is kept), every "
+    "microbatch's reduction over its one rank rescales what it holds (by 1/data-parallel size "
+    "for experts), and megatron-fsdp 0.1.0-0.3.1 / megatron-core 0.14-0.16 add it onto itself "
+    "(it doubles every microbatch); clip-grad hides it until the norm overflows to inf",
+    ("one microbatch per step, on megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later",
+     "fused wgrad accumulation off (gradient_accumulation_fusion=False), on megatron-fsdp 0.4.0 "
+     "and later / megatron-core 0.17 and later, where the scale is 1 (data-parallel size 1, "
+     "not experts)"),
+    SINGLE_RANK_REDUCE.upstream,
+    "HSDP whose DP-Shard group has one rank: the hooks' reduction carries the DP-Outer "
+    "all-reduce there and is left as shipped",
+)
+RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE, UNSHARDED_GRADS_REDUCED_TWICE, SINGLE_RANK_GRADS)
 
 
 def defects_of(fixes: Mapping[str, str]) -> list[ReleaseDefect]:

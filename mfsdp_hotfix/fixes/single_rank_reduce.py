@@ -1,0 +1,151 @@
+"""Fix ``single-rank-reduce``: a gradient buffer whose data-parallel group has one rank
+accumulates its microbatches in place and is scaled once per optimizer step.
+
+With ZeRO-2/3 the releases reduce every gradient buffer in every microbatch's backward hooks
+and let fused wgrad overwrite ``main_grad``: right where the buffer is sharded, because each
+microbatch's gradients land in a fresh bucket that is reduce-scattered and added into the shard.
+A buffer whose group has one rank (every buffer at data-parallel size 1; the experts' buffers
+when expert-parallel equals data-parallel) is not sharded: ``main_grad`` is the buffer itself,
+which must hold the sum of the step's microbatches. So, as shipped:
+
+- fused wgrad overwrites it, keeping only the last microbatch (megatron-fsdp 0.2.0 /
+  megatron-core 0.15.0 and later, which set ``overwrite_main_grad``);
+- each microbatch's reduction over one rank rescales the accumulated buffer by the gradient
+  scaling factor (1/data-parallel size for experts), and megatron-fsdp 0.1.0-0.3.1 /
+  megatron-core 0.14-0.16 add the reduced shard onto itself (``local_grad += reduced_grad`` on
+  aliased memory): the buffer doubles every microbatch, ``buf_k = 2 buf_(k-1) + g_k``.
+
+A reduction over one rank moves nothing; what it must do is apply the scale once. This fix, as
+NVIDIA/Megatron-LM#6773 does (facts from that change, not its code): fused wgrad adds into such a
+buffer (``overwrite_main_grad = False`` after the release's all-gather sets it), the backward
+hooks' ``GradReducePipeline.reduce_gradients`` leaves its parameters out, and
+``finish_grad_sync`` scales each buffer so left out once, as the release's own
+``gradient_reduce_preprocessing`` and collective would over one rank (none for
+``calculate_per_token_loss``; none for ``average_in_collective``, an average over one rank;
+otherwise the factor, which a premul-sum over one rank may not apply on NCCL either).
+
+Only where the model shards gradients (ZeRO-2/3) and has no DP-Outer dimension: ZeRO-1 and
+no_shard reduce once per step already (their fused-wgrad overwrite is ``zero1-accumulate``), and
+under HSDP the hooks' reduction also carries the DP-Outer all-reduce, so it is never left out.
+If this fix raises, the step is stopped: going on would train on wrong gradients silently.
+"""
+
+from __future__ import annotations
+
+import weakref
+from types import ModuleType
+from typing import Any
+
+from .. import incidents
+from ..errors import UnsupportedConfiguration
+from ..patching import Undo, wrap_attribute
+from ..registry import SINGLE_RANK_GRADS, SINGLE_RANK_REDUCE
+
+SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
+STOPPED = ("the step is stopped, because going on would train on wrong gradients of every "
+           "one-rank gradient buffer; workaround: " + " or ".join(SINGLE_RANK_GRADS.workarounds)
+           + ". Please report this with `mfsdp-hotfix status --json`")
+
+# Per gradient pipeline: the buckets whose hooks' reduction was left out since the last
+# finish_grad_sync, so each is scaled once however many microbatches added into it.
+_LEFT_OUT: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+
+
+def one_rank_bucket(buffer: Any, param: Any) -> int | None:
+    """The bucket id of ``param``'s gradient buffer when that buffer is to be reduced over one
+    rank by this fix (sharded strategy, no DP-Outer dimension), else None."""
+    if buffer.ddp_config.data_parallel_sharding_strategy not in SHARDED_GRADIENTS:
+        return None
+    if buffer.dist_index.use_hybrid_fsdp:
+        return None
+    bucket_id: int = buffer.param_to_param_group[param]
+    grads = buffer.parameter_groups[bucket_id].main_grad_buffer
+    if grads is None or grads.data_parallel_group.size() != 1:
+        return None
+    return bucket_id
+
+
+def one_rank_scale(grads: Any, ddp_config: Any) -> float | None:
+    """What a reduction of ``grads`` over one rank multiplies it by (None: nothing)."""
+    factor = grads.gradient_scaling_factor
+    if factor is None or ddp_config.average_in_collective:
+        return None
+    return float(factor)
+
+
+def scale_left_out(pipeline: Any) -> int:
+    """Scale, once, every bucket whose reduction the hooks left out since the last call."""
+    buckets = _LEFT_OUT.pop(pipeline, set())
+    for bucket_id in sorted(buckets):
+        grads = pipeline.buffer.parameter_groups[bucket_id].main_grad_buffer
+        factor = one_rank_scale(grads, pipeline.buffer.ddp_config)
+        if factor is not None and factor != 1.0:
+            grads.fetch_bucket().data.mul_(factor)
+    return len(buckets)
+
+
+def _stop(where: str, exc: Exception) -> UnsupportedConfiguration:
+    incidents.report(SINGLE_RANK_REDUCE.id, where, exc, advice=STOPPED)
+    return UnsupportedConfiguration(
+        f"mfsdp_hotfix: {SINGLE_RANK_REDUCE.id} failed ({type(exc).__name__}: {exc}); {STOPPED}")
+
+
+def apply(model_module: ModuleType) -> Undo:
+    """Wrap ``MegatronFSDP.all_gather_and_wait_parameters_ready`` and ``.finish_grad_sync``, and
+    ``GradReducePipeline.reduce_gradients`` (the class the model module builds its pipeline
+    from), of this copy."""
+
+    def accumulate_in_place(wrapped: Any, instance: Any, args: tuple[Any, ...],
+                            kwargs: dict[str, Any]) -> Any:
+        result = wrapped(*args, **kwargs)
+        try:
+            params = kwargs["params"] if "params" in kwargs else args[0]
+            for param in params:
+                if one_rank_bucket(instance.param_and_grad_buffer, param) is not None:
+                    param.overwrite_main_grad = False
+        except Exception as exc:
+            raise _stop("all_gather_and_wait_parameters_ready", exc) from exc
+        return result
+
+    def leave_out_one_rank(wrapped: Any, instance: Any, args: tuple[Any, ...],
+                           kwargs: dict[str, Any]) -> Any:
+        try:
+            params = list(kwargs.pop("params") if "params" in kwargs else args[0])
+            kept = []
+            for param in params:
+                bucket_id = one_rank_bucket(instance.buffer, param)
+                if bucket_id is None:
+                    kept.append(param)
+                else:
+                    _LEFT_OUT.setdefault(instance, set()).add(bucket_id)
+        except Exception as exc:
+            raise _stop("GradReducePipeline.reduce_gradients", exc) from exc
+        if params and not kept:
+            return None
+        return wrapped(kept, *args[1:], **kwargs)
+
+    def scale_once(wrapped: Any, instance: Any, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        try:
+            scale_left_out(instance.grad_reduce_pipeline)
+        except Exception as exc:
+            raise _stop("finish_grad_sync", exc) from exc
+        return wrapped(*args, **kwargs)
+
+    model = model_module.MegatronFSDP
+    wrapped = [(model, "all_gather_and_wait_parameters_ready", accumulate_in_place),
+               (model_module.GradReducePipeline, "reduce_gradients", leave_out_one_rank),
+               (model, "finish_grad_sync", scale_once)]
+    undos: list[Undo] = []
+    try:
+        for owner, name, wrapper in wrapped:
+            undos.append(wrap_attribute(owner, name, wrapper, SINGLE_RANK_REDUCE.id))
+    except Exception:
+        for undo in reversed(undos):
+            undo()
+        raise
+
+    def undo_all() -> bool:
+        return all([undo() for undo in reversed(undos)])
+
+    return undo_all
