@@ -1,21 +1,25 @@
 """Why gradients differ from the reference when microbatches are accumulated (docs/ACCUMULATION.md).
 
-The experiment behind the configuration matrix's control rows: the real library on CPU (gloo,
-2 ranks; 4 for HSDP), ``fsdp_double_buffer=False`` (the double buffer is not involved), the
-hotfix off, each case run under both accumulation protocols (``mfsdp_hotfix.selftest.protocol``)
-and compared with the plain PyTorch reference (the sum over microbatches of the mean over ranks,
-added in the order the release adds). Each case varies one thing against a baseline so that the
-outcome names its cause:
+The experiment behind the configuration matrix's control rows, grown into a row for every
+gradient claim about accumulation: the real library on CPU (gloo), ``fsdp_double_buffer=False``
+(the double buffer is not involved), each case run under both accumulation protocols
+(``mfsdp_hotfix.selftest.protocol``) and compared with the plain PyTorch reference (the sum over
+microbatches of the mean over ranks, added in the order the release adds), never with a run of
+the code under test. Each case varies one thing against a baseline so that the outcome names
+its cause:
 
+* ``layout``: the strategy and the ranks (``STRATEGIES``): two ranks, one rank (``-world1``),
+  two ranks with an expert layer whose data-parallel group has one rank (``-expert``), HSDP on
+  four ranks over ZeRO-1/2/3.
 * ``linear``: ``emulated`` is TransformerEngine's fused wgrad accumulation (the weight's
   ``main_grad`` written in backward, overwritten when the release sets
   ``overwrite_main_grad``); ``unfused`` sends the same weights through autograd and the
   release's own accumulation. A fused-only difference is the fused path's.
-* ``grad_reduce``: ``scale-then-sum`` (``gradient_reduce_div_fusion=False``) or
-  ``premul-sum`` (the release's default, NCCL's PREMUL_SUM emulated on gloo).
-* ``microbatches`` 1 (nothing accumulated: a control) to 4.
-* the release: one per era (megatron-fsdp 0.4.0, 0.5.1, 0.6.1; megatron-core 0.19.2 ships
-  0.6.1's files) and NVIDIA main (a clone of Megatron-LM, ``MFSDP_TEST_MEGATRON_LM``).
+* ``grad_reduce``: ``scale-then-sum`` (``gradient_reduce_div_fusion=False``),
+  ``premul-sum`` (the release's default, NCCL's PREMUL_SUM emulated on gloo) or ``per-token``.
+* ``microbatches`` 1 (nothing accumulated: a control) to 4; ``overlap_grad_reduce``.
+* the release: every release family (``FAMILIES``) and NVIDIA main (a clone of Megatron-LM,
+  ``MFSDP_TEST_MEGATRON_LM``); ``hotfix`` off (the release) and on (its fixes).
 
 ``CASES`` is the committed grid (``docs/accumulation.json``, rewritten with
 ``MFSDP_WRITE_ACCUMULATION=1``); ``CI_CASES`` the few that CI reruns and compares with the record.
@@ -47,8 +51,9 @@ OUTER_SKIPPED = "hsdp-outer-reduce-skipped-without-overlap"
 REPAIRED_BY = {ZERO1_OVERWRITE: "zero1-accumulate", REDUCED_TWICE: "reduce-once",
                SINGLE_RANK: "single-rank-reduce"}
 # What the hotfix leaves: the harness's auto-sync protocol (not a release defect), and the
-# release defects it neither repairs nor refuses (each named in docs/ACCUMULATION.md).
-UNREPAIRED = {AUTO_SYNC_ACCUMULATION}
+# release defects it neither repairs nor refuses yet (docs/ACCUMULATION.md, "What users should
+# do"); a fix or refusal for one of them must take it off this list.
+UNREPAIRED = {AUTO_SYNC_ACCUMULATION, SELF_ADD, SHARD_SCALED, OUTER_SKIPPED}
 CAUSES = {
     ZERO1_OVERWRITE: "release: zero1-fused-wgrad-overwrite (megatron-fsdp sets "
                      "overwrite_main_grad for ZeRO-1 too, so each microbatch's fused wgrad "
@@ -71,9 +76,10 @@ CAUSES = {
                  "again at every microbatch; fixed upstream by NVIDIA/Megatron-LM #6773)",
     SELF_ADD: "release: unsharded-shard-added-to-itself (megatron-fsdp 0.3.x, megatron-core "
               "0.16: the gradient reduction adds the reduced bucket to the rank's shard "
-              "unconditionally; where the buffer is not distributed (ZeRO-1, or a group of one "
-              "rank) the shard is the bucket, so the gradients are doubled, with one microbatch "
-              "too)",
+              "unconditionally; under ZeRO-1 the buffer is not distributed and the shard is "
+              "the bucket, so the gradients are doubled, with one microbatch too; a ZeRO-2/3 "
+              "buffer of one rank doubles alike, counted as "
+              "single-rank-grads-reduced-every-microbatch)",
     OUTER_SKIPPED: "release: hsdp-outer-reduce-skipped-without-overlap (HSDP over ZeRO-1 with "
                    "overlap_grad_reduce=False: finish_grad_sync's synchronous reduction "
                    "reduces over DP-Shard only, and DP-Outer's all-reduce lives in the backward "
@@ -326,13 +332,14 @@ def present(case: Case) -> list[str]:
             or (strategy == "no_shard" and release >= (0, 5, 0)
                 and case.grad_reduce == "per-token")):  # a second average changes nothing
         found.append(REDUCED_TWICE)
-    if (case.protocol == AUTO_SYNC and (strategy in ("optim", "no_shard") or world == 4)
-            and several and world > 1):
-        found.append(AUTO_SYNC_ACCUMULATION)
-    if (size_one and strategy != "optim" and several
-            and (case.linear == "emulated" or layout.get("experts"))):
+    if (case.protocol == AUTO_SYNC and several and world > 1
+            and (strategy in ("optim", "no_shard") or world == 4 or layout.get("experts"))):
+        found.append(AUTO_SYNC_ACCUMULATION)  # an unsharded buffer reduced (scaled) in place
+    doubles = (0, 3, 0) <= release < (0, 4, 0)  # adds the reduced bucket onto itself
+    if size_one and strategy != "optim" and (
+            doubles or (several and (case.linear == "emulated" or layout.get("experts")))):
         found.append(SINGLE_RANK)
-    if (0, 3, 0) <= release < (0, 4, 0) and (size_one or strategy == "optim"):
+    if doubles and strategy == "optim":
         found.append(SELF_ADD)
     if release < (0, 3, 0) and case.grad_reduce == "scale-then-sum" and world > 1:
         found.append(SHARD_SCALED)

@@ -44,9 +44,11 @@ def test_each_cause_is_confirmed_by_its_controls() -> None:
     auto = [by_id[i] for i, got in record.items() if acc.AUTO_SYNC_ACCUMULATION in got["cause"]]
     assert overwrite and auto
     # the same run without fused wgrad, with one microbatch, or on NVIDIA main, is right (or
-    # wrong only by the other release defect, of overlap_grad_reduce=False)
+    # wrong only by the release defects that show without accumulating: overlap_grad_reduce=False
+    # reducing twice or skipping DP-Outer, 0.3.x adding the buffer onto itself)
     def right_but_for_overlap(got: dict[str, Any]) -> bool:
-        return bool(got["grads_equal"] or got["cause"] == [acc.REDUCED_TWICE])
+        return bool(got["grads_equal"] or set(got["cause"]) <= {
+            acc.REDUCED_TWICE, acc.OUTER_SKIPPED, acc.SELF_ADD})
 
     for case in overwrite:
         twins = [replace(case, microbatches=1)]
@@ -55,15 +57,18 @@ def test_each_cause_is_confirmed_by_its_controls() -> None:
         for twin in twins:
             if twin.id in record:
                 assert right_but_for_overlap(record[twin.id]), twin.id
-    for case in auto:  # Megatron-LM's protocol on the same configuration is not this cause
-        twin = record[replace(case, protocol=MEGATRON_LM).id]
+    for case in auto:  # Megatron-LM's protocol on the same configuration is not this cause,
+        twin = record[replace(case, protocol=MEGATRON_LM).id]  # and with the hotfix exact
         assert acc.AUTO_SYNC_ACCUMULATION not in twin["cause"], case.id
-        assert twin["grads_equal"] or twin["cause"] == [acc.ZERO1_OVERWRITE], case.id
+        fixed = record.get(replace(case, protocol=MEGATRON_LM, hotfix="on").id)
+        assert fixed is None or fixed["outcome"] == acc.EXACT or (
+            set(fixed["cause"]) <= acc.UNREPAIRED - {acc.AUTO_SYNC_ACCUMULATION}), case.id
     single = [by_id[i] for i, got in record.items() if acc.SINGLE_RANK in got["cause"]]
     assert single
-    for case in single:  # one microbatch (nothing accumulated) is right, but for 0.3.x's own
-        twin = record[replace(case, microbatches=1).id]
-        assert twin["outcome"] == acc.EXACT or twin["cause"] == [acc.SELF_ADD], case.id
+    for case in single:  # one microbatch (nothing accumulated) is right, but on 0.3.x, which
+        twin = record.get(replace(case, microbatches=1).id)  # adds the buffer onto itself
+        assert (twin is None or twin["outcome"] != acc.WRONG
+                or case.release in ("0.3.0", "0.3.1")), case.id
     for layout in ("zero2-world1", "zero3-world1"):  # at one rank the fused wgrad's doing
         plain = record[acc.Case("0.6.1", layout, MEGATRON_LM, "unfused").id]
         assert plain["outcome"] == acc.EXACT, layout
@@ -90,8 +95,10 @@ def test_each_cause_is_confirmed_by_its_controls() -> None:
         controls = [record[twin.id] for twin in (replace(case, release="git:main"),
                                                  replace(case, hotfix="on"))
                     if twin.id in record]
-        assert controls and all(got["grads_equal"] or got["cause"] == [acc.OUTER_SKIPPED]
-                                for got in controls), case.id
+        assert controls and all(acc.REDUCED_TWICE not in got["cause"] and (
+            got["grads_equal"] or set(got["cause"]) <= {acc.OUTER_SKIPPED, acc.SELF_ADD,
+                                                         acc.AUTO_SYNC_ACCUMULATION})
+            for got in controls), case.id
 
 
 def test_with_the_hotfix_every_row_is_exact_or_refused() -> None:
