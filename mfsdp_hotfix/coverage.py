@@ -12,6 +12,7 @@ is studied. ``status()`` lists every entry per copy under ``limits``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,20 @@ class Limit:
     matches: Callable[[Any], bool]  # the model's ddp_config -> in this configuration?
     failure: str  # without the fix; "{defect}" is the copy's era defect
     workaround: str
+    # the MegatronFSDP just built -> does it hold what the fix repairs? None: whatever it holds
+    in_model: Callable[[Any], bool] | None = None
+
+
+def _fused_core_linears(model: Any) -> bool:
+    """Whether the module ``model`` wraps holds a megatron-core ``ColumnParallelLinear`` or
+    ``RowParallelLinear`` with ``gradient_accumulation_fusion`` on (none where megatron-core's
+    layers are not imported)."""
+    layers = sys.modules.get(registry.CORE_LINEAR_MODULE)
+    if layers is None:
+        return False
+    classes = (layers.ColumnParallelLinear, layers.RowParallelLinear)
+    return any(isinstance(child, classes) and child.gradient_accumulation_fusion
+               for child in model.module.modules())
 
 
 LIMITS = (
@@ -69,6 +84,14 @@ LIMITS = (
                           and not config.overlap_grad_reduce),
           registry.UNSHARDED_GRADS_REDUCED_TWICE.symptom,
           " or ".join(registry.UNSHARDED_GRADS_REDUCED_TWICE.workarounds)),
+    Limit(registry.CORE_LINEAR_ACCUMULATE.id,
+          "ZeRO-1 (optim) with megatron-core's own linear layers (ColumnParallelLinear, "
+          "RowParallelLinear) and gradient_accumulation_fusion",
+          lambda config: config.data_parallel_sharding_strategy == "optim",
+          registry.CORE_LINEAR_FUSED_WGRAD_OVERWRITE.symptom
+          + ", with 2 or more microbatches per step",
+          " or ".join(registry.CORE_LINEAR_FUSED_WGRAD_OVERWRITE.workarounds),
+          in_model=_fused_core_linears),
 )
 
 # Fix states that leave a configuration failing, and whether building a model in it is refused.
@@ -92,14 +115,17 @@ def limits(found: Detection, fixes: dict[str, tuple[str, str]]) -> list[dict[str
     return out
 
 
-def check(found: Detection, fixes: dict[str, tuple[str, str]], ddp_config: Any) -> None:
-    """Raise :class:`~mfsdp_hotfix.UnsupportedConfiguration` if the model just built with
-    ``ddp_config`` is in a configuration this copy needs an unavailable fix for."""
+def check(found: Detection, fixes: dict[str, tuple[str, str]], ddp_config: Any,
+          model: Any = None) -> None:
+    """Raise :class:`~mfsdp_hotfix.UnsupportedConfiguration` if the ``MegatronFSDP`` just built
+    with ``ddp_config`` (``model``; None: judged by the config alone) is in a configuration this
+    copy needs an unavailable fix for."""
     from .errors import UnsupportedConfiguration
 
     for limit in LIMITS:
         state, reason = fixes.get(limit.fix, ("not needed", ""))
-        if _UNCOVERED.get(state) and limit.matches(ddp_config):
+        if (_UNCOVERED.get(state) and limit.matches(ddp_config)
+                and (limit.in_model is None or model is None or limit.in_model(model))):
             raise UnsupportedConfiguration(
                 f"mfsdp_hotfix: {found.copy.label} {found.copy.distribution} "
                 f"{found.version or '(version unknown)'} at {found.module_path} is not covered "

@@ -34,8 +34,10 @@ from .registry import Copy, Fix
 log = logging.getLogger("mfsdp_hotfix")
 
 
-# Which fix module patches which of a copy's two modules.
-_FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
+# Which fix module patches which of a copy's modules (a ``Copy`` property).
+_FIX_TARGET = {registry.CORE_LINEAR_ACCUMULATE.id: ("core_linear_accumulate",
+                                                    "core_linear_module"),
+               registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
                registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module"),
                registry.MISSED_POST_BACKWARD.id: ("missed_post_backward", "model_module"),
                registry.ZERO1_ACCUMULATE.id: ("zero1_accumulate", "model_module"),
@@ -56,7 +58,11 @@ _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains be
                registry.REDUCE_ONCE.id: "its backward hooks reduce unsharded gradients only "
                                         "with overlap_grad_reduce (NVIDIA/Megatron-LM#6357), "
                                         "or its finish_grad_sync reduces none of them without "
-                                        "overlap (the hooks' reduction is their only one)"}
+                                        "overlap (the hooks' reduction is their only one)",
+               registry.CORE_LINEAR_ACCUMULATE.id: "no megatron-core fused linear is in this "
+                                                   "copy's tree (megatron-core's own copy "
+                                                   "carries the fix), or its Megatron-FSDP wgrad "
+                                                   "reads overwrite_main_grad"}
 REFUSED = "refused"
 
 
@@ -167,6 +173,7 @@ def apply_to(model: Any) -> int:
 def _watched_modules() -> list[str]:
     names = [copy.buffer_module for copy in registry.COPIES]
     names += [copy.model_module for copy in registry.COPIES]
+    names += [copy.core_linear_module for copy in registry.COPIES if copy.core_linear_module]
     return names + list(registry.REFUSED_MODULES)
 
 
@@ -192,7 +199,7 @@ def _handle(module: ModuleType, late: bool) -> None:
             _refuse(refused.detection)
         return
     for copy in registry.COPIES:
-        if name in (copy.buffer_module, copy.model_module):
+        if name in (copy.buffer_module, copy.model_module, copy.core_linear_module):
             record = _record_for(copy)
             if record is not None:
                 # The model module imports the buffer module, never the other way round: when
@@ -202,6 +209,17 @@ def _handle(module: ModuleType, late: bool) -> None:
                     _apply_fixes(record, copy, "model_module")
                     if late:
                         _repair_existing(record, module)
+                # ``import megatron.core`` loads the fused linear before Megatron-FSDP: it is
+                # patched once the copy is detected, from whichever of the two hooks runs last.
+                if _fully_imported(copy.core_linear_module):
+                    _apply_fixes(record, copy, "core_linear_module")
+
+
+def _fully_imported(name: str | None) -> bool:
+    """Whether module ``name`` is imported and done executing (not half-initialised)."""
+    module = sys.modules.get(name) if name else None
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)
 
 
 def _record_for(copy: Copy) -> CopyRecord | None:
@@ -240,6 +258,8 @@ def _fix_state_if_on(fix: Fix, found: Detection, settings: settings_module.Setti
     if unknown:
         return REFUSED, (f"it rests on {', '.join(unknown)}, whose code shape this hotfix does "
                          "not know in this copy, so the fix is not applied")
+    if fix.gate is not None and found.shapes and fix.gate not in found.shapes:
+        return "not needed", _NOT_NEEDED[fix.id]  # a copy read whole, without the gate's code
     strange = [name for name in ((fix.gate,) if fix.gate else ()) + fix.reductions
                if found.shapes.get(name) is None]
     if strange:
@@ -279,7 +299,7 @@ def _after_model_init(record: CopyRecord, wrapped: Any, instance: Any, args: tup
     """Once a model exists: refuse a configuration this copy is not covered for, log the
     process's summary line (once) and compare ranks."""
     wrapped(*args, **kwargs)
-    coverage.check(record.detection, record.fixes, instance.ddp_config)
+    coverage.check(record.detection, record.fixes, instance.ddp_config, instance)
     global _summary_logged
     if not _summary_logged:
         _summary_logged = True
