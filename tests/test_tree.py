@@ -30,7 +30,7 @@ def test_an_unpacked_megatron_core_release() -> None:
     assert states(copy) == {"getter-guard": "not needed", "ordered-drain": "would apply",
                             "missed-post-backward": "not needed",
                             "zero1-accumulate": "would apply",
-                            "reduce-once": "would apply"}
+                            "reduce-once": "would apply", "core-linear-accumulate": "would apply"}
     assert copy["package_info"] == {f"{VENDORED}/package_info.py": "0.6.1",
                                     "megatron/core/package_info.py": "0.19.2"}
     (v2,) = data["v2_copies"]
