@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import releases
 import torch
+from conftest import run_python
 
 from mfsdp_hotfix import (
     UnsupportedConfiguration,
@@ -356,3 +357,23 @@ def test_without_the_fix_it_is_wrong_and_status_says_so(version: str) -> None:
 def test_other_configurations_stay_exact(fields: dict[str, Any]) -> None:
     result = _case("0.19.2", **fields)
     assert not result.crashed and result.max_abs_grad_error == 0.0, describe(result)
+
+
+@pytest.mark.slow
+def test_installed_after_megatron_core_it_patches_and_uninstall_restores() -> None:
+    """``import megatron.core`` loads the fused linear before Megatron-FSDP; a hotfix loaded
+    after both (a late import) still patches it, and ``uninstall()`` gives the release's back."""
+    code = """
+import json
+import megatron.core.tensor_parallel.layers as layers
+import mfsdp_hotfix
+function = layers.LinearWithGradAccumulationAndAsyncCommunication
+mark = lambda: getattr(function.__dict__["backward"].__func__, "_mfsdp_hotfix_fix", None)
+patched = mark()
+restored = mfsdp_hotfix.uninstall()
+print("REPORT" + json.dumps([patched, restored, mark()]))
+"""
+    proc = run_python(code, releases.unpacked("megatron-core", "0.19.2"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = next(line for line in proc.stdout.splitlines() if line.startswith("REPORT"))
+    assert report == 'REPORT["core-linear-accumulate", true, null]'
