@@ -35,13 +35,13 @@ log = logging.getLogger("mfsdp_hotfix")
 
 
 # Which fix module patches which of a copy's modules (a ``Copy`` property).
-_FIX_TARGET = {registry.CORE_LINEAR_ACCUMULATE.id: ("core_linear_accumulate",
-                                                    "core_linear_module"),
-               registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
+_FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
                registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module"),
                registry.MISSED_POST_BACKWARD.id: ("missed_post_backward", "model_module"),
                registry.ZERO1_ACCUMULATE.id: ("zero1_accumulate", "model_module"),
-               registry.REDUCE_ONCE.id: ("reduce_once", "buffer_module")}
+               registry.REDUCE_ONCE.id: ("reduce_once", "buffer_module"),
+               registry.CORE_LINEAR_ACCUMULATE.id: ("core_linear_accumulate",
+                                                    "core_linear_module")}
 _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains before it "
                                          "allocates, as NVIDIA/Megatron-LM#5222 and "
                                          "ROCm/Megatron-LM#146 do",

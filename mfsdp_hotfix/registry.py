@@ -335,8 +335,10 @@ class Fix:
     ``only_unguarded``: needed only where the getter's shape is unguarded.
     ``only_unordered``: not needed where the getter drains and the drain orders the caller's
     stream with at most pool-size units live (era "none": the change proposed upstream).
-    ``gate``: a model-module function (:data:`GATES`) whose shape decides the need (its
-    :attr:`Shape.needs`); an unknown shape there leaves the fix unverified, not the copy refused.
+    ``gate``: a model-module function (:data:`GATES`), or megatron-core's fused linear
+    (:data:`CORE_LINEAR_BACKWARD`), whose shape decides the need (its :attr:`Shape.needs`); an
+    unknown shape there leaves the fix unverified, not the copy refused; a gate whose code is not
+    in the copy's tree at all (megatron-core's linear beside megatron-fsdp): not needed.
     ``reductions``: buffer-module functions of which at least one must reduce
     (:attr:`Shape.reduces`) for the fix to be needed; an unknown shape there: unverified.
     """
