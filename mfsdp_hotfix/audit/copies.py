@@ -77,12 +77,12 @@ class OneRankGrads:
         if model.param_and_grad_buffer.dist_index.use_hybrid_fsdp:
             self.hybrid += len(groups)
 
-    def as_dict(self, defect: str, one_microbatch_right: bool) -> dict[str, Any] | None:
+    def as_dict(self, defect: str, may_self_add: bool) -> dict[str, Any] | None:
         if not self.dense + self.expert:
             return None
         return {"dense": self.dense, "expert": self.expert, "hsdp": self.hybrid,
                 "microbatches": self.microbatches, "defect": defect,
-                "one_microbatch_right": one_microbatch_right}
+                "may_self_add": may_self_add}
 
 
 @dataclass
@@ -98,7 +98,7 @@ class CopyAudit:
     undo: list[Undo] = field(default_factory=list)
     # its code has the size-one group defect: "yes", "no", or "unknown" (hooks' shape unknown)
     single_rank_defect: str = "unknown"
-    one_microbatch_right: bool = False  # a release whose one-rank buffers one microbatch keeps
+    may_self_add: bool = True  # its one-rank reduction may add the buffer onto itself
     one_rank: OneRankGrads = field(default_factory=OneRankGrads)
 
     def as_dict(self, fixes: list[str]) -> dict[str, Any]:
@@ -114,7 +114,7 @@ class CopyAudit:
                 "grad_pools_unordered": found.get("grad_pools_unordered"),
                 "unwatched_pools": found.get("unwatched_pools", []), "note": self.note,
                 "one_rank_grads": self.one_rank.as_dict(self.single_rank_defect,
-                                                        self.one_microbatch_right)}
+                                                        self.may_self_add)}
 
 
 def watch_buffer_module(copy: Copy, module: ModuleType, observer: Observer,
@@ -122,7 +122,7 @@ def watch_buffer_module(copy: Copy, module: ModuleType, observer: Observer,
     """Classify the copy (for the report) and put the slot-reuse rule on its pools."""
     found = detection.detect_module(copy, module)
     audit = CopyAudit(copy.package, found.version, found.era.name if found.era else None)
-    audit.single_rank_defect, audit.one_microbatch_right = _single_rank_defect(copy, found)
+    audit.single_rank_defect, audit.may_self_add = _single_rank_defect(copy, found)
     if found.refused:
         audit.note = f"refused by the hotfix: {found.reason}"
     allocators, missing = slot_reuse.watchable(module)
@@ -143,17 +143,17 @@ def watch_buffer_module(copy: Copy, module: ModuleType, observer: Observer,
 
 def _single_rank_defect(copy: Copy, found: detection.Detection) -> tuple[str, bool]:
     """Whether the copy's code has the size-one group defect ("yes", "no", "unknown"), and
-    whether one microbatch per step escapes it there (a release label at or after
-    ``registry.SINGLE_RANK_ONE_MICROBATCH_RIGHT``, on code of a known shape)."""
+    whether its one-rank reduction may add the buffer onto itself (unless its code has a known
+    shape and its release label is ``registry.SINGLE_RANK_NO_SELF_ADD_FROM`` or later)."""
     if found.shapes.get(registry.HOOKS) is None:
-        return "unknown", False
+        return "unknown", True
     if not found.needs(registry.SINGLE_RANK_REDUCE):
-        return "no", False
+        return "no", True
     from packaging.version import Version
 
     release = versions.final_release(found.version)
-    first = registry.SINGLE_RANK_ONE_MICROBATCH_RIGHT.get(copy.distribution)
-    return "yes", release is not None and first is not None and Version(release) >= Version(first)
+    first = registry.SINGLE_RANK_NO_SELF_ADD_FROM.get(copy.distribution)
+    return "yes", release is None or first is None or Version(release) < Version(first)
 
 
 def watch_model_module(module: ModuleType, after_step: Callable[[], None],

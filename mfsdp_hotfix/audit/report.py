@@ -185,29 +185,30 @@ def one_rank(copy: dict[str, Any]) -> tuple[str, int, str] | None:
     ``wrong`` (not repaired, and this job is in its configuration), ``repaired`` (by
     single-rank-reduce) or ``right`` (not repaired, but one microbatch per step on a release
     that gets that right); None where no ZeRO-2/3 gradient buffer has a one-rank group or the
-    copy's code has no such defect."""
+    copy's code has no such defect. A release that may add the buffer onto itself
+    (``may_self_add``) is wrong from one microbatch on, and under HSDP not repaired."""
     found = copy.get("one_rank_grads")
     if not found or found.get("defect") == "no":
         return None
     dense, expert, hybrid = (int(found.get(k) or 0) for k in ("dense", "expert", "hsdp"))
-    kinds = [f"{n} {kind}" for n, kind in ((dense, "dense (data-parallel size 1)"),
-                                           (expert, "expert (expert-parallel size equal to "
-                                                    "the data-parallel size)")) if n]
+    kinds = [f"{n} {kind}" for n, kind in ((dense, "dense"), (expert, "expert")) if n]
     buffers = (" and ".join(kinds) + " ZeRO-2/3 gradient buffer(s) whose data-parallel group "
                "has one rank" + (f" ({hybrid} of them under HSDP: a DP-Shard group of one "
                                  "rank)" if hybrid else ""))
     defect = f"the size-one group defect ({SINGLE_RANK_GRADS.name})"
     applied = SINGLE_RANK_REDUCE.id in (copy.get("fixes") or [])
-    if applied and not hybrid:
+    self_add = found.get("may_self_add", True)
+    if applied and not (hybrid and self_add):
         return "repaired", dense + expert, (f"{buffers}: {defect} applies to this job and is "
                                             f"repaired by {SINGLE_RANK_REDUCE.id}")
-    why = (f"{SINGLE_RANK_REDUCE.id} leaves HSDP as shipped" if applied else
+    why = (f"{SINGLE_RANK_REDUCE.id} does not cover {SINGLE_RANK_GRADS.not_covered} (or a "
+           "release without a release label)" if applied else
            f"{SINGLE_RANK_REDUCE.id} is not applied to this copy (the hotfix is off, or the fix "
            "is disabled, refused or unverified: `mfsdp-hotfix status --verbose` says which)")
     if found.get("defect") != "yes":
         why += ", and the hotfix does not know its hooks' code shape, so it may have the defect"
     microbatches = int(found.get("microbatches") or 0)
-    if microbatches == 1 and found.get("one_microbatch_right"):
+    if microbatches == 1 and not self_add:
         return "right", dense + expert, (
             f"{buffers}: {defect} applies and is not repaired, because {why}; this job "
             f"accumulated one microbatch per step, which {copy.get('version')} gets right, but "
