@@ -122,7 +122,7 @@ def watch_buffer_module(copy: Copy, module: ModuleType, observer: Observer,
     """Classify the copy (for the report) and put the slot-reuse rule on its pools."""
     found = detection.detect_module(copy, module)
     audit = CopyAudit(copy.package, found.version, found.era.name if found.era else None)
-    audit.single_rank_defect, audit.may_self_add = _single_rank_defect(copy, found)
+    audit.single_rank_defect, audit.may_self_add = single_rank_defect(copy, found)
     if found.refused:
         audit.note = f"refused by the hotfix: {found.reason}"
     allocators, missing = slot_reuse.watchable(module)
@@ -141,7 +141,7 @@ def watch_buffer_module(copy: Copy, module: ModuleType, observer: Observer,
     return audit
 
 
-def _single_rank_defect(copy: Copy, found: detection.Detection) -> tuple[str, bool]:
+def single_rank_defect(copy: Copy, found: detection.Detection) -> tuple[str, bool]:
     """Whether the copy's code has the size-one group defect ("yes", "no", "unknown"), and
     whether its one-rank reduction may add the buffer onto itself (unless its code has a known
     shape and its release label is ``registry.SINGLE_RANK_NO_SELF_ADD_FROM`` or later)."""
