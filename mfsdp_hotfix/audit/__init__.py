@@ -1,5 +1,7 @@
 """On-the-job audit: does every reuse of a gradient-pool slot wait for the reduce-scatter that
-last read it, in this job, on these GPUs, with this release or fork?
+last read it, in this job, on these GPUs, with this release or fork? And where a gradient
+buffer's data-parallel group has one rank (no slot is reused there), is the releases' size-one
+group defect repaired in it (``copies.OneRankGrads``)?
 
 Switched on by ``MFSDP_HOTFIX_AUDIT=<path>`` (or ``mfsdp-hotfix audit --out <path> -- ...``);
 without it this package is never imported and nothing is wrapped. ``install()`` arms it, also

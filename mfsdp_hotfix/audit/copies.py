@@ -52,18 +52,21 @@ class OneRankGrads:
 
     def forwarded(self, model: Any) -> None:
         """A forward with gradients of ``model`` (a ``MegatronFSDP``): one more microbatch."""
-        if model not in self._forwards:
-            self._count(model)
+        self.seen(model)
         self._forwards[model] = forwards = self._forwards[model] + 1
         if model in self._one_rank:
             self.microbatches = max(self.microbatches, forwards)
 
     def zeroed(self, model: Any) -> None:
         """``model.zero_grad_buffer()``: its next forward starts an accumulation."""
-        if model in self._forwards:
-            self._forwards[model] = 0
+        self.seen(model)
+        self._forwards[model] = 0
 
-    def _count(self, model: Any) -> None:
+    def seen(self, model: Any) -> None:
+        """Count ``model``'s one-rank gradient buffers, once (also for a model whose forward
+        does not go through ``MegatronFSDP.forward``: from its ``finish_grad_sync``)."""
+        if model in self._forwards:
+            return
         self._forwards[model] = 0
         if not _SIZE_ONE.matches(model):
             return
@@ -172,6 +175,9 @@ def watch_model_module(module: ModuleType, after_step: Callable[[], None],
                  kwargs: dict[str, Any]) -> Any:
         result = wrapped(*args, **kwargs)
         try:
+            found = record()
+            if found is not None:
+                found.one_rank.seen(instance)
             after_step()
         except Exception as exc:
             on_error("MegatronFSDP.finish_grad_sync", exc)

@@ -201,8 +201,9 @@ def one_rank(copy: dict[str, Any]) -> tuple[str, int, str] | None:
     if applied and not (hybrid and self_add):
         return "repaired", dense + expert, (f"{buffers}: {defect} applies to this job and is "
                                             f"repaired by {SINGLE_RANK_REDUCE.id}")
-    why = (f"{SINGLE_RANK_REDUCE.id} does not cover {SINGLE_RANK_GRADS.not_covered} (or a "
-           "release without a release label)" if applied else
+    why = (f"{SINGLE_RANK_REDUCE.id} does not cover it here: not covered is "
+           f"{SINGLE_RANK_GRADS.not_covered}, and a copy without such a release's label or a "
+           "later one is taken as one of those" if applied else
            f"{SINGLE_RANK_REDUCE.id} is not applied to this copy (the hotfix is off, or the fix "
            "is disabled, refused or unverified: `mfsdp-hotfix status --verbose` says which)")
     if found.get("defect") != "yes":

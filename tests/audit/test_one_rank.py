@@ -60,7 +60,7 @@ def test_a_models_one_rank_gradient_buffers_are_counted_at_its_first_forward(
 
 
 def test_microbatches_are_the_forwards_with_gradients_between_two_zero_grad_buffer() -> None:
-    class MegatronFSDP:
+    class MegatronFSDP(_Model):
         def forward(self, x: int) -> int:
             return x + 1
 
@@ -77,10 +77,7 @@ def test_microbatches_are_the_forwards_with_gradients_between_two_zero_grad_buff
     steps: list[int] = []
     undo = watch_model_module(module, lambda: steps.append(1), lambda: record, _raise)
     assert undo is not None
-    model = MegatronFSDP()
-    record.one_rank._count = types.MethodType(  # type: ignore[method-assign]
-        lambda self, m: (self._forwards.__setitem__(m, 0), self._one_rank.add(m)),
-        record.one_rank)
+    model = MegatronFSDP([_Group(1), _Group(1)])
     for microbatches in (2, 4, 1):
         model.zero_grad_buffer()
         assert [model.forward(i) for i in range(microbatches)] == list(range(1, microbatches + 1))
@@ -88,6 +85,14 @@ def test_microbatches_are_the_forwards_with_gradients_between_two_zero_grad_buff
             model.forward(0)  # an evaluation forward is no microbatch
         assert model.finish_grad_sync() == "synced"
     assert record.one_rank.microbatches == 4 and steps == [1, 1, 1]
+    assert (record.one_rank.dense, record.one_rank.expert) == (2, 0)  # counted once
+    # a model whose forward bypasses MegatronFSDP.forward: counted at its finish_grad_sync
+    other = MegatronFSDP([_Group(1, expert=True)])
+    other.finish_grad_sync()
+    assert (record.one_rank.dense, record.one_rank.expert) == (2, 1)
+    assert record.as_dict([])["one_rank_grads"] == {
+        "dense": 2, "expert": 1, "hsdp": 0, "microbatches": 4, "defect": "unknown",
+        "may_self_add": True}
     assert undo() and all(MegatronFSDP.__dict__[name] is originals[name]
                           for name in ("forward", "zero_grad_buffer", "finish_grad_sync"))
 

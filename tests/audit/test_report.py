@@ -238,7 +238,8 @@ def _one_rank(fixes: tuple[str, ...] = (), **found: Any) -> dict[str, Any]:
     (_one_rank(("single-rank-reduce",), hsdp=5, may_self_add=True), "WRONG GRADIENTS",
      "(5 of them under HSDP: a DP-Shard group of one rank): the size-one group defect "
      "(single-rank-grads-reduced-every-microbatch) is not repaired, because single-rank-reduce "
-     "does not cover HSDP with a one-rank DP-Shard group on megatron-fsdp 0.3.0-0.3.1"),
+     "does not cover it here: not covered is HSDP with a one-rank DP-Shard group on "
+     "megatron-fsdp 0.3.0-0.3.1"),
     (_one_rank(("single-rank-reduce",), hsdp=5), "NOT CHECKED", "and is repaired by "
                                                                 "single-rank-reduce"),
 ])

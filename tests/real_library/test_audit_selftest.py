@@ -123,32 +123,42 @@ SIZE_ONE = ("5 dense ZeRO-2/3 gradient buffer(s) whose data-parallel group has o
             "size-one group defect (single-rank-grads-reduced-every-microbatch)")
 
 
-@pytest.mark.parametrize(("hotfix", "status", "words"), [
-    ("0", 3, f"{SIZE_ONE} is not repaired, because single-rank-reduce is not applied to this "
-             "copy"),
-    ("1", 4, f"{SIZE_ONE} applies to this job and is repaired by single-rank-reduce]")],
-    ids=["shipped", "hotfix"])
+HSDP = ("5 dense ZeRO-2/3 gradient buffer(s) whose data-parallel group has one rank (5 of them "
+        "under HSDP: a DP-Shard group of one rank): the size-one group defect "
+        "(single-rank-grads-reduced-every-microbatch)")
+
+
+@pytest.mark.parametrize(("hotfix", "outer", "status", "words"), [
+    ("0", 1, 3, f"{SIZE_ONE} is not repaired, because single-rank-reduce is not applied to this "
+                "copy"),
+    ("1", 1, 4, f"{SIZE_ONE} applies to this job and is repaired by single-rank-reduce]"),
+    ("0", 2, 3, f"{HSDP} is not repaired, because single-rank-reduce is not applied"),
+    ("1", 2, 4, f"{HSDP} applies to this job and is repaired by single-rank-reduce]")],
+    ids=["shipped", "hotfix", "hsdp-shipped", "hsdp-hotfix"])
 def test_one_rank_says_whether_the_size_one_group_defect_is_repaired(
-        tmp_path: Path, hotfix: str, status: int, words: str) -> None:
-    """One data-parallel rank, ZeRO-3, 2 microbatches per step: no slot is reused, and before,
-    both ended NOT CHECKED, also as shipped, whose gradients are wrong (the selftest runner's
-    reference comparison, tests/fixes/test_single_rank_reduce.py)."""
-    spec = CaseSpec(flavour="standalone", iterations=1, world=1, microbatches=2)
+        tmp_path: Path, hotfix: str, outer: int, status: int, words: str) -> None:
+    """A data-parallel group of one rank, ZeRO-3, 2 microbatches per step: one rank, or HSDP
+    over two ranks with a DP-Shard group of one. No slot is reused, and before, every one ended
+    NOT CHECKED, also as shipped, whose gradients are wrong (the selftest runner's reference
+    comparison, tests/fixes/test_single_rank_reduce.py)."""
+    spec = CaseSpec(flavour="standalone", iterations=1, world=outer, outer=outer,
+                    microbatches=2)
     out = _audit_job(tmp_path, Path(release_path("megatron-fsdp", "0.6.1")), spec, hotfix,
-                     ranks=1)
+                     ranks=outer)
     text = out.stdout + out.stderr
     assert out.returncode == status, text[-4000:]
     verdict = "WRONG GRADIENTS" if status == 3 else "NOT CHECKED"
-    assert f"mfsdp_hotfix audit, 1 rank: {verdict}: 0 unordered of 0" in text, text[-4000:]
+    ranks = f"{outer} rank{'s' if outer > 1 else ''}"
+    assert f"mfsdp_hotfix audit, {ranks}: {verdict}: 0 unordered of 0" in text, text[-4000:]
     assert words in out.stdout, out.stdout
     assert out.stdout.splitlines()[-1].startswith(f"audit: {verdict}: "), out.stdout
     if status == 3:
         assert "its gradients are wrong as shipped (up to 2 microbatches per step)" in out.stdout
         assert "  workarounds without the hotfix: one microbatch per step" in out.stdout
-    (written,) = [json.loads(p.read_text()) for p in (tmp_path / "job").glob("audit.rank*")]
-    assert written["copies"][0]["one_rank_grads"] == {
-        "dense": 5, "expert": 0, "hsdp": 0, "microbatches": 2, "defect": "yes",
-        "may_self_add": False}
+    for written in (json.loads(p.read_text()) for p in (tmp_path / "job").glob("audit.rank*")):
+        assert written["copies"][0]["one_rank_grads"] == {
+            "dense": 5, "expert": 0, "hsdp": 5 if outer > 1 else 0, "microbatches": 2,
+            "defect": "yes", "may_self_add": False}
 
 
 @pytest.mark.parametrize(("release", "hotfix", "status", "words"), [
