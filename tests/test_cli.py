@@ -534,7 +534,8 @@ def test_status_tells_a_one_rank_user_whether_the_size_one_defect_is_repaired(
     assert f"    release defect single-rank-grads-reduced-every-microbatch: {state}" in lines
     assert any(line.startswith(SIZE_ONE_WHEN) for line in lines), proc.stdout
     if unfixed is None:
-        assert " — protected: " in lines[0] and lines[0].endswith("single-rank-reduce"), lines[0]
+        assert " — protected: the hotfix is armed and applies ordered-drain, zero1-accumulate, " \
+            "reduce-once, single-rank-reduce" in lines[0], lines[0]
         return
     assert " — NOT protected: " in lines[0] and lines[0].endswith(
         "; for single-rank-grads-reduced-every-microbatch use one microbatch per step, on "
