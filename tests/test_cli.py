@@ -39,7 +39,8 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
     (unfixed,) = data["unfixed"]
     assert code == 1 and data["verdict"]["protected"] is False
     assert unfixed.startswith("megatron-fsdp 0.5.1 at ") and unfixed.endswith(
-        ": getter-guard, ordered-drain, zero1-accumulate, reduce-once would apply, but "
+        ": getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce would "
+        "apply, but "
         + reporting.UNPROTECTING["not loaded"])
     armed_code, armed = status(Path(ARMED), fsdp_release("0.5.1"))
     assert armed_code == 0 and armed["unfixed"] == [] and armed["verdict"]["protected"] is True
@@ -109,7 +110,8 @@ def test_a_release_defect_no_fix_repairs_fails_the_check(fsdp_release) -> None:
     proc = run_python("", ARMED, fsdp_release("0.2.3"), args=("-m", "mfsdp_hotfix", "status"))
     assert proc.stdout.splitlines()[1] == (
         "- megatron-fsdp 0.2.3 (era A): getter-guard, ordered-drain, missed-post-backward, "
-        "zero1-accumulate would apply; sharded-grads-summed-unscaled NOT repaired; for "
+        "zero1-accumulate, single-rank-reduce would apply; sharded-grads-summed-unscaled NOT "
+        "repaired; for "
         "sharded-grads-summed-unscaled use calculate_per_token_loss=True (the release scales "
         "nothing; the loss carries the normalisation); at "
         f"{fsdp_release('0.2.3') / 'megatron_fsdp'}"), proc.stdout
@@ -204,7 +206,9 @@ def test_the_verdict_of_a_switched_off_install(fsdp_release) -> None:
         "line": "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: MFSDP_HOTFIX=0; use "
                 "fsdp_double_buffer=False; for zero1-fused-wgrad-overwrite use ZeRO-2 or ZeRO-3 "
                 "(optim_grads, optim_grads_params); for unsharded-grads-reduced-twice use "
-                "overlap_grad_reduce=True (the default)"}
+                "overlap_grad_reduce=True (the default); for "
+                "single-rank-grads-reduced-every-microbatch use one microbatch per step, on "
+                "megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later"}
 
 
 def test_the_api_answers_for_this_process(fsdp_release) -> None:
@@ -215,7 +219,8 @@ def test_the_api_answers_for_this_process(fsdp_release) -> None:
     assert json.loads(proc.stdout.splitlines()[-1]) == {
         "affected": True, "protected": True,
         "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active and "
-                "applies ordered-drain, zero1-accumulate, reduce-once" + REFUSES_HSDP}
+                "applies ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce"
+                + REFUSES_HSDP}
 
 
 def test_disabled_fix_fails_the_check(fsdp_release) -> None:
@@ -264,11 +269,13 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
         return
     assert lines[:2] == [
         "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed and applies "
-        "getter-guard, ordered-drain, zero1-accumulate, reduce-once; refuses HSDP with ZeRO-1 "
+        "getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce; "
+        "refuses HSDP with ZeRO-1 "
         "(optim) and overlap_grad_reduce=False at model construction (no fix makes it right): "
         "use overlap_grad_reduce=True (the default)",
         "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate, "
-        f"reduce-once would apply; at {fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
+        f"reduce-once, single-rank-reduce would apply; at "
+        f"{fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
     assert lines[2].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
                              "on PYTHONPATH") and len(lines) == 4, lines
     assert "main_grad_getter" not in proc.stdout and "release defect " not in proc.stdout
@@ -452,21 +459,23 @@ def test_a_refused_copy_is_told_what_still_applies_what_is_left_and_each_workaro
     assert copy["refused"] and {k: v["state"] for k, v in copy["fixes"].items()} == {
         "getter-guard": "refused", "ordered-drain": "refused",
         "missed-post-backward": "would apply", "zero1-accumulate": "would apply",
-        "reduce-once": "not needed", "single-rank-reduce": "would apply"}
+        "reduce-once": "not needed", "single-rank-reduce": "would apply",
+        "core-linear-accumulate": "not needed"}
     line = data["verdict"]["line"]
     assert code == 1 and line.startswith(
         "affected: megatron-fsdp 0.2.3 (not recognised) — NOT protected: getter-guard, "
         "ordered-drain left as shipped (unrecognised code shape in _enforce_double_buffer_limit "
         "(fingerprint "), line
-    assert ("; the hotfix still applies missed-post-backward, zero1-accumulate; "
-            "sharded-grads-summed-unscaled is not repaired by the hotfix (it hits ZeRO-2/3") in line
+    assert ("; the hotfix still applies missed-post-backward, zero1-accumulate, "
+            "single-rank-reduce; sharded-grads-summed-unscaled is not repaired by the hotfix (it "
+            "hits ZeRO-2/3") in line
     assert line.endswith("; use fsdp_double_buffer=False; for sharded-grads-summed-unscaled use "
                          "calculate_per_token_loss=True (the release scales nothing; the loss "
                          "carries the normalisation)"), line
     proc = run_python("", ARMED, refused_023, args=("-m", "mfsdp_hotfix", "status"))
     assert proc.stdout.splitlines()[:2] == [line, (
         "- megatron-fsdp 0.2.3 (not recognised): REFUSED: getter-guard, ordered-drain left as "
-        "shipped; missed-post-backward, zero1-accumulate would apply; "
+        "shipped; missed-post-backward, zero1-accumulate, single-rank-reduce would apply; "
         "sharded-grads-summed-unscaled NOT repaired; use fsdp_double_buffer=False; for "
         "sharded-grads-summed-unscaled use calculate_per_token_loss=True (the release scales "
         "nothing; the loss carries the normalisation); --verbose: why; at "

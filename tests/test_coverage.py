@@ -109,10 +109,11 @@ def _model(strategy: str = "optim_grads_params", div_fusion: bool = False,
     config = SimpleNamespace(fsdp_double_buffer=False, data_parallel_sharding_strategy=strategy,
                              overlap_grad_reduce=True, gradient_reduce_div_fusion=div_fusion,
                              average_in_collective=average)
+    ranks = SimpleNamespace(size=lambda: 2 if distributed else 1)
     buffer = SimpleNamespace(is_data_distributed=distributed, gradient_scaling_factor=scaling,
-                             dtype=dtype)
+                             dtype=dtype, data_parallel_group=ranks)
     groups = [SimpleNamespace(main_grad_buffer=None), SimpleNamespace(main_grad_buffer=buffer)]
-    return SimpleNamespace(ddp_config=config,
+    return SimpleNamespace(ddp_config=config, dist_index=SimpleNamespace(use_hybrid_fsdp=False),
                            param_and_grad_buffer=SimpleNamespace(parameter_groups=groups))
 
 
@@ -160,7 +161,23 @@ def test_a_release_defect_no_fix_repairs_leaves_other_models_alone(
 def test_a_copy_without_the_defect_is_not_refused(shape: str) -> None:
     model = _model()
     coverage.check(_carrying(shape), {}, model)
-    assert all(x["fix"] for x in coverage.limits(_carrying(shape), {}))
+    assert all(x.get("defect") != "sharded-grads-summed-unscaled"
+               for x in coverage.limits(_carrying(shape), {}))
+
+
+@pytest.mark.parametrize(("shape", "refused"), [("0.14", False), ("0.16", True), ("0.17", False)])
+def test_zero1_with_overlap_is_refused_where_the_shard_is_added_to_itself(
+        shape: str, refused: bool) -> None:
+    """megatron-fsdp 0.3.x / megatron-core 0.16 add the reduced shard of an unsharded buffer
+    onto it: ZeRO-1 with overlap is refused there, without overlap it is not."""
+    zero1 = _model("optim")
+    if refused:
+        with pytest.raises(UnsupportedConfiguration, match="unsharded-shard-added-to-itself"):
+            coverage.check(_carrying(shape), {}, zero1)
+    else:
+        coverage.check(_carrying(shape), {}, zero1)
+    zero1.ddp_config.overlap_grad_reduce = False
+    coverage.check(_carrying(shape), {}, zero1)
 
 
 def test_an_unknown_carrier_does_not_rule_the_defect_out() -> None:

@@ -225,11 +225,12 @@ def test_refused_copy_warns_once_and_keeps_only_the_fixes_that_rest_on_none_of_i
     (copy,) = data["status"]["copies"]
     assert copy["refused"] is True
     assert [(d["name"], d["repaired"]) for d in copy["release_defects"]] == [
-        ("zero1-fused-wgrad-overwrite", True), ("unsharded-grads-reduced-twice", True)]
+        ("zero1-fused-wgrad-overwrite", True), ("unsharded-grads-reduced-twice", True),
+        ("single-rank-grads-reduced-every-microbatch", True)]
     assert proc.stderr.count("NOT patching megatron-fsdp") == 1
     assert "run with fsdp_double_buffer=False to avoid the double-buffer gradient bugs (ZeRO-2/3)" \
         in proc.stderr
-    assert "Still applied: zero1-accumulate, reduce-once" in proc.stderr
+    assert "Still applied: zero1-accumulate, reduce-once, single-rank-reduce" in proc.stderr
 
 
 def test_a_refusal_names_the_workaround_of_each_defect_left(modified_release: Path) -> None:
@@ -361,16 +362,19 @@ def test_a_refused_copy_keeps_and_names_the_fixes_that_rest_on_none_of_it(
     data = report(proc)
     assert fixes(data) == {"getter-guard": "refused", "ordered-drain": "refused",
                            "missed-post-backward": "applied", "zero1-accumulate": "applied",
-                           "reduce-once": "not needed"}
+                           "reduce-once": "not needed", "single-rank-reduce": "applied",
+                           "core-linear-accumulate": "not needed"}
     line = data["status"]["verdict"]["line"]
     assert line.startswith("affected: megatron-fsdp 0.2.3 (not recognised) — NOT protected: "
                            "getter-guard, ordered-drain left as shipped (unrecognised code "
                            "shape in _enforce_double_buffer_limit"), line
-    assert "; the hotfix still applies missed-post-backward, zero1-accumulate; " in line
+    assert ("; the hotfix still applies missed-post-backward, zero1-accumulate, "
+            "single-rank-reduce; ") in line
     assert line.endswith("; use fsdp_double_buffer=False; for sharded-grads-summed-unscaled use "
                          "calculate_per_token_loss=True (the release scales nothing; the loss "
                          "carries the normalisation)"), line
-    assert "Still applied: missed-post-backward, zero1-accumulate" in proc.stderr
+    assert ("Still applied: missed-post-backward, zero1-accumulate, single-rank-reduce"
+            in proc.stderr)
     assert ("sharded-grads-summed-unscaled (ZeRO-2/3 (optim_grads, optim_grads_params) over 2 or "
             "more data-parallel ranks") in proc.stderr
     assert "is not repaired either: calculate_per_token_loss=True" in proc.stderr

@@ -34,6 +34,7 @@ stopped: going on would train on wrong gradients silently.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from types import ModuleType
 from typing import Any
@@ -51,6 +52,8 @@ STOPPED = ("the step is stopped, because going on would train on wrong gradients
 # Per gradient pipeline: the buckets whose hooks' reduction was left out since the last
 # finish_grad_sync, so each is scaled once however many microbatches added into it.
 _LEFT_OUT: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()  # models told about auto-sync once
+log = logging.getLogger("mfsdp_hotfix")
 
 
 # Per ParamAndGradBuffer: the ids of its one-rank gradient buckets (groups do not change).
@@ -89,15 +92,26 @@ def one_rank_scale(grads: Any, ddp_config: Any) -> float | None:
     return float(factor)
 
 
-def scale_left_out(pipeline: Any) -> int:
-    """Scale, once, every bucket whose reduction the hooks left out since the last call."""
+def scale_left_out(pipeline: Any) -> list[float]:
+    """Scale, once, every bucket whose reduction the hooks left out since the last call; returns
+    the factors other than 1 applied."""
     buckets = _LEFT_OUT.pop(pipeline, set())
+    applied = []
     for bucket_id in sorted(buckets):
         grads = pipeline.buffer.parameter_groups[bucket_id].main_grad_buffer
         factor = one_rank_scale(grads, pipeline.buffer.ddp_config)
         if factor is not None and factor != 1.0:
             grads.fetch_bucket().data.mul_(factor)
-    return len(buckets)
+            applied.append(factor)
+    return applied
+
+
+AUTO_SYNC = ("mfsdp_hotfix: single-rank-reduce: with model auto-sync (sync_model_each_microbatch), "
+             "a one-rank gradient buffer is scaled in place at every microbatch's "
+             "finish_grad_sync, like the release's own ZeRO-1 buffer: call zero_grad_buffer() "
+             "every forward-backward cycle, as the release asks for in-place buffers, or "
+             "accumulate the microbatches under no_sync() (Megatron-LM's protocol), which is "
+             "exact")
 
 
 def _stop(where: str, exc: Exception) -> UnsupportedConfiguration:
@@ -146,9 +160,12 @@ def apply(model_module: ModuleType) -> Undo:
     def scale_once(wrapped: Any, instance: Any, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
         try:
-            scale_left_out(instance.grad_reduce_pipeline)
+            scaled = scale_left_out(instance.grad_reduce_pipeline)
         except Exception as exc:
             raise _stop("finish_grad_sync", exc) from exc
+        if scaled and instance.model_auto_sync and instance not in _WARNED:
+            _WARNED.add(instance)
+            log.warning("%s", AUTO_SYNC)
         return wrapped(*args, **kwargs)
 
     model = model_module.MegatronFSDP

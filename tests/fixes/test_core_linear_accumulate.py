@@ -261,8 +261,8 @@ def test_refuses_a_function_whose_forward_does_not_take_input_and_weight_first()
         core_linear_accumulate.apply(module)
 
 
-def _megatron_fsdp(*children: torch.nn.Module) -> Any:
-    return SimpleNamespace(module=torch.nn.Sequential(*children))
+def _megatron_fsdp(config: SimpleNamespace, *children: torch.nn.Module) -> Any:
+    return SimpleNamespace(ddp_config=config, module=torch.nn.Sequential(*children))
 
 
 def test_an_unavailable_fix_refuses_zero1_only_with_fused_core_linears(
@@ -283,15 +283,16 @@ def test_an_unavailable_fix_refuses_zero1_only_with_fused_core_linears(
     zero1 = SimpleNamespace(data_parallel_sharding_strategy="optim")
     fixes = {FIX.id: ("unverified", "why")}
     with pytest.raises(UnsupportedConfiguration) as caught:
-        coverage.check(found, fixes, zero1, _megatron_fsdp(ColumnParallelLinear(2, 2)))
+        coverage.check(found, fixes, _megatron_fsdp(zero1, ColumnParallelLinear(2, 2)))
     assert "--no-gradient-accumulation-fusion" in str(caught.value)
     assert "core-linear-accumulate is unverified (why)" in str(caught.value)
-    coverage.check(found, fixes, zero1, _megatron_fsdp(RowParallelLinear(2, 2),
-                                                       torch.nn.Linear(2, 2)))
-    coverage.check(found, fixes, SimpleNamespace(data_parallel_sharding_strategy="optim_grads"),
-                   _megatron_fsdp(ColumnParallelLinear(2, 2)))
-    coverage.check(found, {FIX.id: ("applied", "")}, zero1,
-                   _megatron_fsdp(ColumnParallelLinear(2, 2)))
+    coverage.check(found, fixes, _megatron_fsdp(zero1, RowParallelLinear(2, 2),
+                                                torch.nn.Linear(2, 2)))
+    coverage.check(found, fixes,
+                   _megatron_fsdp(SimpleNamespace(data_parallel_sharding_strategy="optim_grads"),
+                                  ColumnParallelLinear(2, 2)))
+    coverage.check(found, {FIX.id: ("applied", "")},
+                   _megatron_fsdp(zero1, ColumnParallelLinear(2, 2)))
 
 
 _results: dict[str, CaseResult] = {}

@@ -53,7 +53,7 @@ REPAIRED_BY = {ZERO1_OVERWRITE: "zero1-accumulate", REDUCED_TWICE: "reduce-once"
 # What the hotfix leaves: the harness's auto-sync protocol (not a release defect), and the
 # release defects it neither repairs nor refuses yet (docs/ACCUMULATION.md, "What users should
 # do"); a fix or refusal for one of them must take it off this list.
-UNREPAIRED = {AUTO_SYNC_ACCUMULATION, SELF_ADD, SHARD_SCALED, OUTER_SKIPPED}
+UNREPAIRED = {AUTO_SYNC_ACCUMULATION, SHARD_SCALED}
 CAUSES = {
     ZERO1_OVERWRITE: "release: zero1-fused-wgrad-overwrite (megatron-fsdp sets "
                      "overwrite_main_grad for ZeRO-1 too, so each microbatch's fused wgrad "
