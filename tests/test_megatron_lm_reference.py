@@ -77,7 +77,7 @@ def test_every_judged_run_has_its_reference_first_and_differs_from_it_only_where
     for layers in ("", "|local"):
         for zero in (1, 2, 3):
             for variant in ("shipped", "hotfix"):
-                for fused in ((("|unfused", "") if not layers else ("", "|fused"))):
+                for fused in (("|unfused", "") if not layers else ("", "|fused")):
                     assert f"{first}|dp1|zero{zero}|fp32{layers}{fused}|det|{variant}|d0" in by_id
                 assert f"{first}|dp2|zero{zero}|fp32{layers}{'|fused' if layers else ''}|det|" \
                     f"{variant}|d0" in by_id
@@ -183,7 +183,8 @@ def test_two_ranks_are_judged_by_the_reduced_gradient_too() -> None:
 def test_a_run_the_hotfix_refuses_before_training_is_refused_and_a_later_one_a_crash() -> None:
     before = {"stages": ["started", "dataset-helpers"], "iterations": 0}
     during = {"stages": ["started", "training"], "iterations": 1}
-    error = "UnsupportedConfiguration: ZeRO-1 with fused wgrad; use --no-gradient-accumulation-fusion"
+    error = ("UnsupportedConfiguration: ZeRO-1 with fused wgrad; use "
+             "--no-gradient-accumulation-fusion")
     assert mlm.classify(1, before, 3, error, None) == "refused"
     assert mlm.classify(1, during, 3, error, None) == "crash"
     assert mlm.classify(1, before, 3, "RuntimeError: CUDA error", None) == "crash"

@@ -1071,8 +1071,12 @@ def reference_row(r: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> dict[s
     """One summary row (``REFERENCE_ROW_KEYS``) of a run of ``REFERENCE_GROUPS``: what it and
     its reference reported each iteration, and the verdict (``mlm_verdict``)."""
     verdict = r.get("verdict") or {}
-    ref = by_id.get(r.get("judge") or "", {})
-    mine, theirs = r.get("reported") or {}, ref.get("reported") or {}
+    mine = r.get("reported") or {}
+    # the reference's values as the verdict read them (its own call's reference), else as the
+    # summary's reference run reported them
+    theirs = {name: [it.get(name, [None, None])[1] for it in verdict["iterations"]]
+              for name in (LOSS, "grad_norm")} if verdict.get("iterations") else \
+        by_id.get(r.get("judge") or "", {}).get("reported") or {}
     cap = r.get("capture") or {}
     said = cap.get("hotfix_status") if isinstance(cap.get("hotfix_status"), dict) else {}
     status = (said.get("verdict") or {}) if said else {}
@@ -1156,6 +1160,13 @@ def reference_tables(doc: dict[str, Any]) -> str:
     if refs:
         out += ["", "| reference (fusion off) | outcome |", "|---|---|"]
         out += [f"| {r['id'].replace('|', ' ')} | {_verdict_cell(r)} |" for r in refs]
+    if doc.get("replaced"):
+        out += ["", "| run | in record | its outcome there | replaced by the run in |",
+                "|---|---|---|---|"]
+        for r in doc["replaced"]:
+            why = f": {r['error'][:80]}" if r.get("error") else ""
+            out.append(f"| {r['id'].replace('|', ' ')} | {r['record']} | "
+                       f"{r['outcome']}{why.replace('|', '/')} | {r['by_record']} |")
     return "\n".join(out)
 
 
