@@ -8,6 +8,7 @@ Megatron-FSDP copy; ``run`` starts a command with the sitecustomize bootstrap on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -97,9 +98,11 @@ def _main(argv: list[str] | None) -> int:
                     "(2 gloo ranks, fused wgrad, fsdp_double_buffer=True), once with "
                     "MFSDP_HOTFIX=0 and once with the hotfix; installs nothing. The last line "
                     "is 'selftest: PASS: ...' (exit 0), 'selftest: FAIL: ...' (exit 1: a fix "
-                    "failed) or 'selftest: CANNOT RUN: ...' (exit 2: no torch or numpy here).")
+                    "failed) or 'selftest: CANNOT RUN: ...' (exit 2: no torch or numpy here, "
+                    "or the copy asked for cannot be imported).")
     test.add_argument("--path", help="folder put first on sys.path of the test processes, "
-                                     "e.g. an unpacked release (default: as installed)")
+                                     "e.g. an unpacked release (default: as installed); "
+                                     "refused if it is not a folder")
     test.add_argument("--flavour", choices=["auto", "standalone", "core"], default="auto",
                       help="which Megatron-FSDP copy to test: 'standalone' (megatron_fsdp), "
                            "'core' (the copy vendored in megatron-core) or 'auto' (megatron-"
@@ -182,7 +185,10 @@ def _main(argv: list[str] | None) -> int:
     guide.add_argument("topic", nargs="?", metavar="COMMAND",
                        choices=[name for name in commands.choices if name != "help"],
                        help="one of the commands above")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would blame the top-level parser, and show its usage
+        (commands.choices[args.command] if args.command else parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:  # a usage error, with the list of commands
         sys.stderr.write(parser.format_help())
         parser.exit(USAGE_ERROR, "mfsdp-hotfix: error: name a COMMAND (see above; 'mfsdp-hotfix "
@@ -194,6 +200,12 @@ def _main(argv: list[str] | None) -> int:
         return _status(args.json, args.check, args.path, args.verbose)
     if args.command == "selftest":
         _note_audit_not_passed_on(args.json)
+        if args.path is not None:  # a mistyped --path must not test the installed copy instead
+            try:
+                tree.readable_folder(args.path)
+            except tree.TreeError as exc:
+                return _selftest_cannot_run(f"--path {exc}. Nothing was tested", args.json,
+                                            "gpu" if args.gpu else "cpu")
         if args.gpu:
             return _gpu_selftest(args)
         given = [f"--{name.replace('_', '-')}" for name in GPU_ONLY
@@ -202,9 +214,9 @@ def _main(argv: list[str] | None) -> int:
             test.error(f"{', '.join(given)} only apply with --gpu")
         return _selftest(args.path, args.flavour, args.json, args.audit, args.protocol)
     if args.command == "run":
-        return _run(args.cmd, parser)
+        return _run(args.cmd, run)
     if args.command == "audit":
-        return _audit(args.out, args.cmd, parser, args.overwrite)
+        return _audit(args.out, args.cmd, audit, args.overwrite)
     print(bootstrap.SITECUSTOMIZE_DIR)
     return 0
 
@@ -431,24 +443,28 @@ def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool,
     try:
         import torch  # noqa: F401
     except ImportError:
-        print(f"selftest: {CANNOT_RUN}: no torch in this environment. The selftest runs on this "
-              "environment's own torch and Megatron-FSDP and installs nothing; to try it on a "
-              "machine without them, use a fresh virtual environment (README, 'Try it').",
-              file=sys.stderr)
-        return SELFTEST_CANNOT_RUN
+        return _selftest_cannot_run(
+            "no torch in this environment. The selftest runs on this environment's own torch "
+            "and Megatron-FSDP and installs nothing; to try it on a machine without them, use a "
+            "fresh virtual environment (README, 'Try it').", as_json, "cpu")
     try:
         import numpy  # noqa: F401
     except ImportError:
-        print(f"selftest: {CANNOT_RUN}: no numpy in this environment. torch.distributed's "
-              "all_gather_object, which Megatron-FSDP calls, needs it on CPU (gloo); "
-              "`pip install numpy`, or use a fresh virtual environment (README, 'Try it').",
-              file=sys.stderr)
-        return SELFTEST_CANNOT_RUN
-    from .selftest.selftest import audit_phase, conclusion, run_selftest
+        return _selftest_cannot_run(
+            "no numpy in this environment. torch.distributed's all_gather_object, which "
+            "Megatron-FSDP calls, needs it on CPU (gloo); `pip install numpy`, or use a fresh "
+            "virtual environment (README, 'Try it').", as_json, "cpu")
+    from .selftest.selftest import audit_phase, cannot_run, conclusion, run_selftest
 
     # With --json, stdout carries only the JSON; progress and the table go to stderr.
     runs = run_selftest(path=path, flavour=flavour, out=sys.stderr if as_json else sys.stdout,
                         audit=audit, protocol=protocol)
+    blocked = cannot_run(runs)
+    if blocked:  # said already, as the last line
+        if as_json:
+            print(json.dumps({"verdict": CANNOT_RUN, "conclusion": blocked, "mode": "cpu",
+                              "cannot_run": blocked.split(": ", 2)[2]}))
+        return SELFTEST_CANNOT_RUN
     passed, line = conclusion(runs)
     if as_json:
         results = ({"phases": [audit_phase(name, result) for name, result in runs]} if audit
@@ -456,6 +472,16 @@ def _selftest(path: str | None, flavour: str, as_json: bool, audit: bool,
         print(json.dumps({"verdict": "PASS" if passed else "FAIL", "conclusion": line,
                           **results}, default=str))
     return SELFTEST_PASS if passed else SELFTEST_FAIL
+
+
+def _selftest_cannot_run(why: str, as_json: bool, mode: str) -> int:
+    """``selftest: CANNOT RUN: <why>`` on stderr (and with ``--json`` as the JSON's verdict)."""
+    line = f"selftest: {CANNOT_RUN}: {why}"
+    if as_json:
+        print(json.dumps({"verdict": CANNOT_RUN, "conclusion": line, "mode": mode,
+                          "cannot_run": why}))
+    print(line, file=sys.stderr)
+    return SELFTEST_CANNOT_RUN
 
 
 def _gpu_selftest(args: argparse.Namespace) -> int:
@@ -502,7 +528,7 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser,
 
     from .audit import report as audit_report
 
-    command = _command(command, parser, "audit")
+    command = _command(command, parser, f"--out {out}")
     path = os.path.abspath(out)
     problem = _out_problem(out, path)
     earlier = audit_report.rank_files(path)
@@ -518,17 +544,19 @@ def _audit(out: str, command: list[str], parser: argparse.ArgumentParser,
         except OSError as exc:
             print(f"mfsdp-hotfix audit: cannot remove {name} from an earlier run ({exc}); "
                   "the summary may include it", file=sys.stderr)
-    folder = os.path.dirname(path)
-    if not os.path.isdir(folder):
-        os.makedirs(folder)
-        print(f"mfsdp-hotfix audit: created the folder {folder} for the rank files",
-              file=sys.stderr)
+    created = _make_folders(os.path.dirname(path))
     env = dict(os.environ, PYTHONPATH=_bootstrap_path(), **{settings.AUDIT: path})
     try:
         child = subprocess.Popen(command, env=env)
     except OSError as exc:
+        for folder in created:  # nothing ran: leave nothing behind (but what another put there)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
         print(f"mfsdp-hotfix audit: cannot start {command[0]!r}: {exc}", file=sys.stderr)
         return CANNOT_START
+    if created:
+        print(f"mfsdp-hotfix audit: created the folder {created[0]} for the rank files",
+              file=sys.stderr)
     while True:
         try:
             status = child.wait()
@@ -554,6 +582,18 @@ def _names(files: dict[int, str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
+def _make_folders(folder: str) -> list[str]:
+    """Make ``folder`` and the folders above it that are missing; returns those made, deepest
+    first (removed again if the command cannot be started)."""
+    missing = []
+    while not os.path.isdir(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    for made in reversed(missing):
+        os.mkdir(made)
+    return missing
+
+
 def _out_problem(out: str, path: str) -> str | None:
     """Why the rank files ``PATH.rank<N>.json`` cannot go where ``--out`` says (None: fine):
     probed by creating a file, before anything runs."""
@@ -574,11 +614,16 @@ def _out_problem(out: str, path: str) -> str | None:
     return audit_report.probe(path)
 
 
-def _command(command: list[str], parser: argparse.ArgumentParser, verb: str) -> list[str]:
+def _command(command: list[str], parser: argparse.ArgumentParser, options: str = ""
+             ) -> list[str]:
+    """COMMAND after ``--``; none is a usage error of ``parser`` (the command's own), with an
+    example that has the ``options`` given."""
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
-        parser.error(f"{verb} needs a command: mfsdp-hotfix {verb} -- torchrun ... train.py")
+        verb = parser.prog.split()[-1]
+        parser.error(f"{verb} needs a command: {parser.prog} {options}{' ' if options else ''}"
+                     "-- torchrun ... train.py")
     return command
 
 
@@ -589,7 +634,7 @@ def _bootstrap_path() -> str:
 
 
 def _run(command: list[str], parser: argparse.ArgumentParser) -> int:
-    command = _command(command, parser, "run")
+    command = _command(command, parser)
     os.environ["PYTHONPATH"] = _bootstrap_path()
     try:
         os.execvp(command[0], command)

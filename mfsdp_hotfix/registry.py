@@ -499,19 +499,19 @@ SINGLE_RANK_GRADS = ReleaseDefect(
     "has one rank: every run with data-parallel size 1 (one GPU, or all of them given to "
     "tensor/pipeline/context parallelism), and the expert gradients of MoE runs whose "
     "expert-parallel size equals their data-parallel size; with 2 or more microbatches per "
-    "step, and from one microbatch on megatron-fsdp 0.1.0-0.3.1 / megatron-core 0.14-0.16",
+    "step, and from one microbatch on megatron-fsdp 0.3.0-0.3.1 / megatron-core 0.16",
     "silently wrong gradients: that buffer is main_grad itself and must add up the step's "
     "microbatches, but fused wgrad overwrites it (only the last microbatch is kept), every "
     "microbatch's reduction over its one rank rescales what it holds (by 1/data-parallel size "
-    "for experts), and megatron-fsdp 0.1.0-0.3.1 / megatron-core 0.14-0.16 add it onto itself "
+    "for experts), and megatron-fsdp 0.3.0-0.3.1 / megatron-core 0.16 add it onto itself "
     "(it doubles every microbatch); clip-grad hides it until the norm overflows to inf",
     ("one microbatch per step, on megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later",
      "fused wgrad accumulation off (gradient_accumulation_fusion=False), on megatron-fsdp 0.4.0 "
      "and later / megatron-core 0.17 and later, where the scale is 1 (data-parallel size 1, "
      "not experts)"),
     SINGLE_RANK_REDUCE.upstream,
-    "HSDP whose DP-Shard group has one rank: the hooks' reduction carries the DP-Outer "
-    "all-reduce there and is left as shipped",
+    "HSDP with a one-rank DP-Shard group on megatron-fsdp 0.3.0-0.3.1 / megatron-core 0.16, "
+    "whose last reduction still adds the buffer onto itself",
 )
 RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE, UNSHARDED_GRADS_REDUCED_TWICE, SINGLE_RANK_GRADS)
 

@@ -38,8 +38,9 @@ class TreeError(Exception):
         self.exit_status = exit_status
 
 
-def judge(folder: str) -> dict[str, Any]:
-    """``status``'s data for the copies under ``folder``; raises :class:`TreeError`."""
+def readable_folder(folder: str) -> Path:
+    """``folder`` resolved; raises :class:`TreeError` if it is missing, a file or unreadable
+    (also ``selftest --path``'s check: a mistyped path must not go unnoticed)."""
     root = Path(folder).expanduser()
     if not root.exists():
         raise TreeError(f"{folder}: no such folder", NOT_A_FOLDER)
@@ -49,7 +50,12 @@ def judge(folder: str) -> dict[str, Any]:
                         NOT_A_FOLDER)
     if not os.access(root, os.R_OK | os.X_OK):
         raise TreeError(f"{folder}: the folder cannot be read", NOT_A_FOLDER)
-    root = root.resolve()
+    return root.resolve()
+
+
+def judge(folder: str) -> dict[str, Any]:
+    """``status``'s data for the copies under ``folder``; raises :class:`TreeError`."""
+    root = readable_folder(folder)
     settings = settings_module.read(known_fixes=registry.FIX_IDS)
     copies: list[dict[str, Any]] = []
     v2_copies: list[dict[str, Any]] = []

@@ -1,11 +1,13 @@
 """The environment variables the hotfix reads, and the names that look like a misspelling of one.
 
 A misspelt switch (``MFSDP_HOTFX=0``) would otherwise be ignored in silence: the hotfix stays
-armed while the user believes it is off. The ``.pth`` bootstrap runs :func:`misspelt` in every
-Python process of the environment, so it imports nothing (``os`` and ``sys`` are loaded by
-``site`` already) and costs a pass over the environment's names: a name is compared (edit
-distance) only when it contains a piece of ``MFSDP_HOTFIX`` that any name within 2 edits of it
-must contain.
+armed while the user believes it is off. Only a likely typo warns: "MFSDP" is also the common
+short name of Megatron-FSDP, and launchers and users set names such as ``MFSDP_DEBUG`` or
+``MFSDP_CKPT_DIR`` that are none of ours; a warning on those would teach people to ignore
+warnings. The ``.pth`` bootstrap runs :func:`misspelt` in every Python process of the
+environment, so it imports nothing (``os`` and ``sys`` are loaded by ``site`` already) and costs
+a pass over the environment's names: a name is compared (edit distance) only when it contains a
+piece of ``MFSDP_HOTFIX`` that any name within 2 edits of it must contain.
 """
 
 SWITCH = "MFSDP_HOTFIX"
@@ -16,11 +18,10 @@ BOOTSTRAP = "MFSDP_HOTFIX_BOOTSTRAP"
 AUDIT = "MFSDP_HOTFIX_AUDIT"
 
 ALL_VARIABLES = (SWITCH, DISABLED_FIXES, CROSS_RANK_CHECK, CROSS_RANK_TIMEOUT, BOOTSTRAP, AUDIT)
-# Names under MFSDP_ that this repository's tests and validation scripts read (never the
-# package): not a misspelling of the package's names.
-DEVELOPMENT_PREFIXES = ("MFSDP_TEST_", "MFSDP_VAL_", "MFSDP_WRITE_")
-PREFIX = "MFSDP_"
 MAX_EDITS = 2
+# A word of a shortened name (``MFSDP_HOTFIX_DISABLE``) stands for a word of ours it begins, if
+# it has at least this many letters.
+MIN_WORD = 3
 # Two edits change at most two of these three disjoint pieces of MFSDP_HOTFIX (which every name
 # above starts with), so a name within two edits of one of them contains at least one piece.
 _PIECES = ("MFSD", "P_HO", "TFIX")
@@ -34,20 +35,31 @@ _told: set[str] = set()
 
 def misspelt(names: "Iterable[str]") -> list[str]:
     """One warning per name in ``names`` (an environment's keys) that is not one the package
-    reads but is within :data:`MAX_EDITS` edits of one (case ignored), or starts with
-    ``MFSDP_`` and is neither ours nor a development name."""
-    found = []
-    for name in names:
-        if name in ALL_VARIABLES:
-            continue
-        upper = name.upper()
-        if upper.startswith(PREFIX):
-            if not upper.startswith(DEVELOPMENT_PREFIXES):
-                found.append(_warning(name))
-        elif (_PIECES[0] in upper or _PIECES[1] in upper or _PIECES[2] in upper) and any(
-                _within(upper, known, MAX_EDITS) for known in ALL_VARIABLES):
-            found.append(_warning(name))
-    return found
+    reads but is likely meant for one (:func:`meant_for`)."""
+    return [f"{name} is not a variable mfsdp_hotfix reads (did you mean {known}?); it is ignored"
+            for name in names
+            if name not in ALL_VARIABLES and (known := meant_for(name)) is not None]
+
+
+def meant_for(name: str) -> str | None:
+    """The variable of ours that ``name`` is likely a typo of (case ignored), or None: one within
+    :data:`MAX_EDITS` edits (``MFSDP_HOTFX``), or, under ``MFSDP_HOTFIX_``, one shortened by
+    leaving words out or cutting them short (``MFSDP_HOTFIX_TIMEOUT``, ``MFSDP_HOTFIX_DISABLE``).
+    Any other name, ``MFSDP_DEBUG`` or ``MFSDP_HOTFIX_DEBUG`` alike, is not ours to judge."""
+    upper = name.upper()
+    if not (_PIECES[0] in upper or _PIECES[1] in upper or _PIECES[2] in upper):
+        return None
+    close = [(distance, known) for known in ALL_VARIABLES
+             if abs(len(upper) - len(known)) <= MAX_EDITS
+             and (distance := _distance(upper, known)) <= MAX_EDITS]
+    if close:
+        return min(close)[1]
+    rest = upper.removeprefix(f"{SWITCH}_")
+    if rest == upper or not rest:
+        return None
+    return next((known for known in ALL_VARIABLES[1:]
+                 if _shortens(rest.split("_"), known.removeprefix(f"{SWITCH}_").split("_"))),
+                None)
 
 
 def tell_once(warnings: list[str]) -> list[str]:
@@ -67,24 +79,17 @@ def told(warning: str) -> bool:
     return warning in _told
 
 
-def _warning(name: str) -> str:
-    """The warning for an unknown name, with the closest known one (built only when a warning
-    is due, so its cost does not matter)."""
-    import difflib
-
-    closest = min(ALL_VARIABLES, key=lambda known: _distance(name.upper(), known))
-    if _distance(name.upper(), closest) > MAX_EDITS:
-        # Compared without the common prefix, which would otherwise dominate the similarity.
-        tails = {known.removeprefix(f"{SWITCH}_"): known for known in ALL_VARIABLES}
-        close = difflib.get_close_matches(name.upper().removeprefix(f"{SWITCH}_"), tails, n=1,
-                                          cutoff=0.5)
-        closest = tails[close[0]] if close else ""
-    hint = f"did you mean {closest}?" if closest else f"known: {', '.join(ALL_VARIABLES)}"
-    return f"{name} is not a variable mfsdp_hotfix reads ({hint}); it is ignored"
-
-
-def _within(a: str, b: str, limit: int) -> bool:
-    return abs(len(a) - len(b)) <= limit and _distance(a, b) <= limit
+def _shortens(words: list[str], known: list[str]) -> bool:
+    """Whether ``words`` are some of ``known`` in order, each whole or its first letters."""
+    at = 0
+    for word in words:
+        while at < len(known) and not (known[at] == word or (
+                len(word) >= MIN_WORD and known[at].startswith(word))):
+            at += 1
+        if at == len(known):
+            return False
+        at += 1
+    return True
 
 
 def _distance(a: str, b: str) -> int:

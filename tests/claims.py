@@ -1098,6 +1098,8 @@ claim("docs/CLI.md", "| {}: the reader of the output went away", EXITS,
       lambda e: (e["BROKEN_PIPE"],))
 claim("docs/CLI.md", "{}: COMMAND cannot be started", EXITS,  # run's and audit's
       lambda e: (e["CANNOT_START"],))
+claim("docs/CLI.md", "| {}: holds no Megatron-FSDP copy", EXITS,
+      lambda e: (e["NOTHING_FOUND"],))
 claim("docs/CLI.md", "| {} for a finding (", EXITS,
       lambda e: (only((e["UNORDERED"], e["CRASH"])),))
 claim("docs/CLI.md", "COMMAND's status when it failed ({} + N after signal N); else {} when "
@@ -1142,6 +1144,12 @@ claim(VAL, "and HSDP is now equal at {} microbatches", "configurations.json",
       else ())
 claim("docs/RELEASE_DEFECTS.md", "(CPU, {} gloo ranks, the selftest model's", "selftest spec",
       lambda spec: (spec["world"],))
+ZERO1_031 = "0.3.1/zero1/megatron-lm/emulated/scale-then-sum/2mb/no-overlap"
+claim("docs/RELEASE_DEFECTS.md", "0.3.1 (max abs error {} with {} fused microbatches)", ACC,
+      lambda rec: (acc_error(rec, ZERO1_031), rec[ZERO1_031]["case"]["microbatches"])
+      if rec[ZERO1_031]["case"]["linear"] == "emulated" else ())
+claim("docs/RELEASE_DEFECTS.md", "(0.3.1's ZeRO-1 case: max abs error {})", ACC,
+      lambda rec: (acc_error(rec, f"{ZERO1_031}/hotfix-on"),))
 
 # ---------------------------------------------------------------------------------------------
 # docs/N_SLOT_POOLS.md: the N-slot rows of the configuration matrix, the releases' pool size.

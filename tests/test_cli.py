@@ -3,6 +3,7 @@ unpatched and a refused install, without torch."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -133,9 +134,11 @@ def test_misspelt_variable_is_named_with_the_closest_known_one(fsdp_release) -> 
 @pytest.mark.parametrize("route", ["bootstrap", "none"])
 def test_a_misspelt_switch_is_told_once_on_stderr(fsdp_release, route: str) -> None:
     """``MFSDP_HOTFX=0`` leaves the hotfix armed: said once on stderr (by the bootstrap at
-    interpreter start where it runs, else by status), never mixed into the answer on stdout."""
+    interpreter start where it runs, else by status), never mixed into the answer on stdout;
+    other MFSDP_ names that users and launchers set are none of ours and stay quiet."""
     path = [ARMED] if route == "bootstrap" else []
-    proc = run_python("", *path, fsdp_release("0.5.1"), env={"MFSDP_HOTFX": "0"},
+    proc = run_python("", *path, fsdp_release("0.5.1"),
+                      env={"MFSDP_HOTFX": "0", "MFSDP_DEBUG": "1", "MFSDP_HOTFIX_DEBUG": "1"},
                       args=("-m", "mfsdp_hotfix", "status", "--check"))
     warning = ("MFSDP_HOTFX is not a variable mfsdp_hotfix reads (did you mean MFSDP_HOTFIX?); "
                "it is ignored")
@@ -270,6 +273,36 @@ def test_selftest_without_numpy_says_it_cannot_run() -> None:
         "selftest: CANNOT RUN: no numpy in this environment."), proc.stderr
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_selftest_refuses_a_path_that_is_not_a_folder(tmp_path: Path, gpu: bool) -> None:
+    """A mistyped --path must not test the installed copy instead (and print PASS)."""
+    (tmp_path / "file").write_text("")
+    for path, why in ((tmp_path / "missing", "no such folder"),
+                      (tmp_path / "file", "is a file, not a folder")):
+        proc = run_python("", args=("-m", "mfsdp_hotfix", "selftest", "--path", str(path),
+                                    "--json", *(["--gpu"] if gpu else [])))
+        assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+        assert proc.stderr.splitlines()[-1].startswith(
+            f"selftest: CANNOT RUN: --path {path}"), proc.stderr
+        data = json.loads(proc.stdout)
+        assert data["verdict"] == "CANNOT RUN" and why in data["cannot_run"]
+
+
+def test_selftest_of_a_copy_that_is_not_installed_cannot_run() -> None:
+    """``--flavour core`` without megatron-core: nothing was tested, which is no FAIL of a fix;
+    the line names the package that is missing."""
+    if importlib.util.find_spec("megatron") is not None:
+        pytest.skip("megatron-core is installed in this environment")
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "selftest", "--flavour", "core"))
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert proc.stdout.splitlines()[-1] == (
+        "selftest: CANNOT RUN: megatron-core's copy of Megatron-FSDP (--flavour core) cannot be "
+        "imported: megatron-core is not installed here (ModuleNotFoundError: No module named "
+        "'megatron'); install megatron-core, or give --path a folder that holds it. Nothing was "
+        "tested"), proc.stdout
+    assert "with hotfix" not in proc.stdout  # the second run would fail the same way
+
+
 def test_version() -> None:
     from mfsdp_hotfix import __version__
 
@@ -295,6 +328,16 @@ def test_help_command_prints_what_help_prints(command: str) -> None:
     assert want.returncode == 0 and want.stdout.startswith(f"usage: mfsdp-hotfix {command}")
 
 
+@pytest.mark.parametrize("args", [("selftest", "--release", "9.9.9"), ("status", "--bogus"),
+                                  ("run",), ("bootstrap-path", "x")])
+def test_a_usage_error_shows_its_own_commands_usage(args: tuple[str, ...]) -> None:
+    proc = run_python("", args=("-c", NO_TORCH, *args))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    usage, error = proc.stderr.split("\nmfsdp-hotfix ")
+    assert usage.startswith(f"usage: mfsdp-hotfix {args[0]} "), proc.stderr
+    assert error.startswith(f"{args[0]}: error: "), proc.stderr
+
+
 def test_help_of_an_unknown_command_is_a_usage_error() -> None:
     proc = run_python("", args=("-c", NO_TORCH, "help", "frobnicate"))
     assert proc.returncode == 2 and "invalid choice: 'frobnicate'" in proc.stderr
@@ -307,3 +350,29 @@ def test_selftest_says_it_does_not_pass_the_audit_on() -> None:
         "selftest: note: MFSDP_HOTFIX_AUDIT is set (as 'mfsdp-hotfix audit' sets it), but the "
         "selftest does not pass it to its workers"), proc.stdout
     assert "'mfsdp-hotfix selftest --audit' audits each run" in proc.stdout
+
+
+def test_one_table_lists_every_exit_status_of_every_command() -> None:
+    """docs/CLI.md's table of exit statuses names each status the code can return."""
+    from conftest import REPO
+
+    from mfsdp_hotfix import cli, tree
+    from mfsdp_hotfix.audit.report import VERDICTS
+
+    text = (REPO / "docs" / "CLI.md").read_text()
+    table = text.split("## Exit statuses", 1)[1].split("\n\n")[1]
+    documented = {}
+    for row in table.splitlines()[2:]:
+        command, *cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]
+        statuses = {status for status, cell in enumerate(cells[:3]) if cell}
+        statuses |= {int(n) for n in re.findall(r"\b(\d{1,3})\b(?= for| when|:)", cells[3])}
+        documented[command.strip("`").split("`")[0]] = statuses
+    code = {
+        "status": {cli.CHECK_OK, cli.CHECK_UNFIXED, tree.NOT_A_FOLDER, tree.NOTHING_FOUND},
+        "selftest": {cli.SELFTEST_PASS, cli.SELFTEST_FAIL, cli.SELFTEST_CANNOT_RUN},
+        "run": {cli.CANNOT_START},
+        "audit": {0, cli.CANNOT_START, *(status for _, _, status in VERDICTS.values())},
+    }
+    assert documented["any"] >= {cli.USAGE_ERROR, cli.BROKEN_PIPE}
+    for command, statuses in code.items():
+        assert documented[command] >= statuses | {cli.USAGE_ERROR}, command

@@ -61,8 +61,14 @@ def test_no_rank_file_is_no_data_and_a_failing_command_keeps_its_status(tmp_path
 
 
 def test_a_command_is_required(tmp_path: Path) -> None:
-    out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "a")))
-    assert out.returncode == 2 and "audit needs a command" in out.stderr
+    """A usage error of audit's own: its usage, and an example that keeps the required --out."""
+    for rest in ([], ["--"]):
+        out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "a"),
+                                   *rest))
+        assert out.returncode == 2 and out.stderr == (
+            "usage: mfsdp-hotfix audit --out PATH -- COMMAND [ARGS...]\n"
+            "mfsdp-hotfix audit: error: audit needs a command: mfsdp-hotfix audit --out "
+            f"{tmp_path / 'a'} -- torchrun ... train.py\n"), out.stderr
 
 
 def test_an_earlier_run_is_kept_unless_overwrite_is_given(tmp_path: Path) -> None:
@@ -92,9 +98,18 @@ def test_an_out_no_one_can_write_is_refused_before_anything_runs(tmp_path: Path)
     out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", "/proc/x", "--", "touch",
                                str(tmp_path / "ran")))
     assert out.returncode == 2 and out.stdout == "", out.stdout
-    assert out.stderr == ("mfsdp-hotfix audit: --out /proc/x: cannot create a file in /proc (No "
-                          "such file or directory); nothing was run\n"), out.stderr
+    assert out.stderr == ("mfsdp-hotfix audit: --out /proc/x: cannot create a file in /proc: it "
+                          "is on a proc filesystem, which takes no new files; nothing was "
+                          "run\n"), out.stderr
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_command_that_cannot_start_leaves_no_folder_behind(tmp_path: Path) -> None:
+    out = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out",
+                               str(tmp_path / "new" / "deeper" / "a"), "--", "no-such-command"))
+    assert out.returncode == 127 and out.stderr.startswith(
+        "mfsdp-hotfix audit: cannot start 'no-such-command': "), out.stderr
+    assert "created the folder" not in out.stderr and list(tmp_path.iterdir()) == []
 
 
 def test_ranks_that_could_not_write_are_told_so_not_no_data(tmp_path: Path) -> None:

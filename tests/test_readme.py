@@ -141,3 +141,17 @@ def test_the_cost_table_is_the_benchmark_report() -> None:
                           capture_output=True, text=True, check=True)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert len(rows) > 5 and all(line in PERFORMANCE for line in rows)
+
+
+def test_the_readme_stays_short() -> None:
+    """The depth lives in docs/: the README is the short path (install, check, prove, audit)."""
+    assert len(README.splitlines()) <= 220
+
+
+def test_the_docs_speak_of_the_project_alone() -> None:
+    """Facts about what ran and what did not, never about how the work was organised (which
+    machine was lent, which session ran it, what device time was kept)."""
+    words = re.compile(r"\blent\b|\bthis session\b|\bdevice time\b", re.I)
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        found = words.findall(path.read_text())
+        assert not found, (path.name, found)

@@ -19,6 +19,7 @@ Reading rank files needs neither torch nor megatron.
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import logging
@@ -74,8 +75,34 @@ def probe(path: str) -> str | None:
         os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         os.remove(target)
     except OSError as exc:
+        if exc.errno == errno.ENOENT and os.path.isdir(folder):
+            # The folder is there: its filesystem makes no new files (proc answers ENOENT,
+            # whose own words, "No such file or directory", would send the user looking for it).
+            kind = _filesystem(folder)
+            return (f"cannot create a file in {folder}: "
+                    + (f"it is on a {kind} filesystem, which" if kind else "its filesystem")
+                    + " takes no new files")
         return f"cannot create a file in {folder} ({exc.strerror or exc})"
     return None
+
+
+def _filesystem(folder: str) -> str | None:
+    """The type of the filesystem ``folder`` is on, from ``/proc/self/mounts`` (None: unknown)."""
+    where = os.path.realpath(folder)
+    best, kind = "", None
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                inside = where == point or where.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return None
+    return kind
 
 
 # The verdicts, worst first: (meaning, what to do, exit status of ``mfsdp-hotfix audit`` when

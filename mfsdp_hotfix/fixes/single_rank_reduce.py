@@ -11,8 +11,8 @@ which must hold the sum of the step's microbatches. So, as shipped:
 - fused wgrad overwrites it, keeping only the last microbatch (megatron-fsdp 0.2.0 /
   megatron-core 0.15.0 and later, which set ``overwrite_main_grad``);
 - each microbatch's reduction over one rank rescales the accumulated buffer by the gradient
-  scaling factor (1/data-parallel size for experts), and megatron-fsdp 0.1.0-0.3.1 /
-  megatron-core 0.14-0.16 add the reduced shard onto itself (``local_grad += reduced_grad`` on
+  scaling factor (1/data-parallel size for experts), and megatron-fsdp 0.3.0-0.3.1 /
+  megatron-core 0.16 add the reduced shard onto itself (``local_grad += reduced_grad`` on
   aliased memory): the buffer doubles every microbatch, ``buf_k = 2 buf_(k-1) + g_k``.
 
 A reduction over one rank moves nothing; what it must do is apply the scale once. This fix, as
@@ -24,10 +24,12 @@ hooks' ``GradReducePipeline.reduce_gradients`` leaves its parameters out, and
 ``calculate_per_token_loss``; none for ``average_in_collective``, an average over one rank;
 otherwise the factor, which a premul-sum over one rank may not apply on NCCL either).
 
-Only where the model shards gradients (ZeRO-2/3) and has no DP-Outer dimension: ZeRO-1 and
-no_shard reduce once per step already (their fused-wgrad overwrite is ``zero1-accumulate``), and
-under HSDP the hooks' reduction also carries the DP-Outer all-reduce, so it is never left out.
-If this fix raises, the step is stopped: going on would train on wrong gradients silently.
+Under HSDP the hooks' reduction of the last microbatch also carries the DP-Outer all-reduce:
+there the parameters are left out of every other microbatch's reduction and passed on in the
+last one, whose reduction over the one DP-Shard rank scales the sum once, as the release's own.
+Only where the model shards gradients (ZeRO-2/3): ZeRO-1 and no_shard reduce once per step
+already (their fused-wgrad overwrite is ``zero1-accumulate``). If this fix raises, the step is
+stopped: going on would train on wrong gradients silently.
 """
 
 from __future__ import annotations
@@ -52,11 +54,9 @@ _LEFT_OUT: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary(
 
 
 def one_rank_bucket(buffer: Any, param: Any) -> int | None:
-    """The bucket id of ``param``'s gradient buffer when that buffer is to be reduced over one
-    rank by this fix (sharded strategy, no DP-Outer dimension), else None."""
+    """The bucket id of ``param``'s gradient buffer when that buffer shards gradients over a
+    data-parallel group of one rank, else None."""
     if buffer.ddp_config.data_parallel_sharding_strategy not in SHARDED_GRADIENTS:
-        return None
-    if buffer.dist_index.use_hybrid_fsdp:
         return None
     bucket_id: int = buffer.param_to_param_group[param]
     grads = buffer.parameter_groups[bucket_id].main_grad_buffer
@@ -111,12 +111,15 @@ def apply(model_module: ModuleType) -> Undo:
                            kwargs: dict[str, Any]) -> Any:
         try:
             params = list(kwargs.pop("params") if "params" in kwargs else args[0])
+            hybrid = instance.buffer.dist_index.use_hybrid_fsdp
+            outer = kwargs.get("outer_fsdp_group_grad_reduce",
+                               args[2] if len(args) > 2 else False)
             kept = []
             for param in params:
                 bucket_id = one_rank_bucket(instance.buffer, param)
-                if bucket_id is None:
+                if bucket_id is None or (hybrid and outer):
                     kept.append(param)
-                else:
+                elif not hybrid:
                     _LEFT_OUT.setdefault(instance, set()).add(bucket_id)
         except Exception as exc:
             raise _stop("GradReducePipeline.reduce_gradients", exc) from exc

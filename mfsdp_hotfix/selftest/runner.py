@@ -132,6 +132,8 @@ def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int]
     if len(present) < len(reports) and not result.exception:
         missing = [i for i, r in enumerate(reports) if r is None]
         result.exception = f"rank(s) {missing} reported nothing (exit codes {codes})"
+    result.cannot_import = next((r["cannot_import"] for r in present if r.get("cannot_import")),
+                                None)
     rank0 = reports[0] or {}
     result.grads_compared = int(rank0.get("grads_compared") or 0)
     result.max_abs_grad_error = rank0.get("max_abs_grad_error")

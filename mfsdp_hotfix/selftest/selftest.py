@@ -29,6 +29,13 @@ _MEANING = {
 }
 
 
+# The distribution whose top-level package a missing module belongs to.
+_DISTRIBUTIONS = {"megatron": "megatron-core", "megatron_fsdp": "megatron-fsdp"}
+_COPIES = {"core": "megatron-core's copy of Megatron-FSDP (--flavour core)",
+           "standalone": "megatron-fsdp (--flavour standalone)",
+           "auto": "a Megatron-FSDP copy"}
+
+
 def verdict(result: CaseResult) -> str:
     if result.crashed:
         return "CRASH"
@@ -68,6 +75,33 @@ def conclusion(runs: list[tuple[str, CaseResult]]) -> tuple[bool, str]:
     elif any(result.spec.audit for _, result in runs):
         detail += "; the audit's counts equal the stand-in's"
     return passed, f"selftest: {'PASS' if passed else 'FAIL'}: {detail}"
+
+
+def cannot_run(runs: list[tuple[str, CaseResult]]) -> str | None:
+    """``selftest: CANNOT RUN: ...`` when the copy asked for cannot be imported as shipped (in
+    the run without the hotfix): nothing was tested, which is neither a PASS nor a FAIL of the
+    hotfix. (Importable as shipped but not with the hotfix is the hotfix's FAIL.)"""
+    name, first = runs[0]
+    missing = first.cannot_import
+    if name != "without hotfix" or not missing:
+        return None
+    spec = first.spec
+    module = missing["module"] or ""
+    top = module.split(".")[0]
+    dist = _DISTRIBUTIONS.get(top)
+    if dist and module == top:
+        why = f"{dist} is not installed" + (f" and not in --path {spec.path}" if spec.path
+                                            else " here")
+        todo = f"install {dist}"
+    elif dist:
+        why, todo = f"the {dist} found has no {module}", f"install a {dist} release that has it"
+    elif module:
+        why, todo = f"it needs {module}, which is not installed here", f"install {module}"
+    else:
+        why, todo = "none is importable here", "install megatron-fsdp or megatron-core"
+    return (f"selftest: CANNOT RUN: {_COPIES[spec.flavour]} cannot be imported: {why} "
+            f"({missing['error']}); {todo}, or give --path a folder that holds it. Nothing was "
+            "tested")
 
 
 def audit_phase(name: str, result: CaseResult) -> dict[str, Any]:
@@ -143,7 +177,8 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
     run (tests pass a caching one).  ``audit``: run both with ``MFSDP_HOTFIX_AUDIT`` set and
     compare the audit's counts with the stand-in's. ``protocol``: how microbatches are driven
     (``protocol.PROTOCOLS``; default: the spec's, Megatron-LM's).
-    Returns ``[("without hotfix", result), ("with hotfix", result)]``.
+    Returns ``[("without hotfix", result), ("with hotfix", result)]``, or only the first when
+    the copy asked for cannot be imported (:func:`cannot_run`).
     """
     stream = out if out is not None else sys.stdout
     base = CaseSpec(**(spec if spec is not None else CaseSpec()).__dict__)
@@ -160,6 +195,11 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
             stream.flush()
         result = runner(case, tick)
         runs.append((name, result))
+        blocked = cannot_run(runs)
+        if blocked:  # the copy asked for is not here: the run with the hotfix would not be either
+            stream.write(blocked + "\n")
+            stream.flush()
+            return runs
         if progress:
             stream.write(f"selftest: {name}: {verdict(result)} in {result.wall_s:.1f}s\n")
             stream.flush()

@@ -154,6 +154,8 @@ class CaseResult:
     release: dict[str, Any] = field(default_factory=dict)
     hotfix_status: Any = None
     hotfix_import_error: str | None = None
+    # the copy asked for could not be imported: {"module": the missing one or None, "error"}
+    cannot_import: dict[str, Any] | None = None
     attempts: int = 1
     returncodes: list[int | None] = field(default_factory=list)
     log_tail: str = ""

@@ -267,8 +267,13 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
         from mfsdp_hotfix import trigger
 
         trigger.disarm()
-    flavour = resolve_flavour(spec.flavour)
-    package = importlib.import_module(VENDORED if flavour == "core" else STANDALONE)
+    try:
+        flavour = resolve_flavour(spec.flavour)
+        package = importlib.import_module(VENDORED if flavour == "core" else STANDALONE)
+    except ImportError as exc:  # the copy asked for is not here: nothing can be tested
+        report["cannot_import"] = {"module": exc.name, "error": f"{type(exc).__name__}: {exc}"}
+        report["exception"] = report["cannot_import"]["error"]
+        return report
     report["release"] = _release_info(flavour, package)
     pgb = importlib.import_module(package.__name__ + ".param_and_grad_buffer")
     fully_shard = importlib.import_module(package.__name__ + ".fully_shard")

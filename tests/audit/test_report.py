@@ -73,7 +73,9 @@ def test_the_job_line_says_when_no_rank_could_write_its_file() -> None:
 
 
 @pytest.mark.parametrize(("where", "words"), [
-    ("/proc/x", "cannot create a file in /proc ("),  # a folder nobody can create files in
+    # a folder nobody can create files in: the true reason, not proc's "No such file"
+    ("/proc/x", "cannot create a file in /proc: it is on a proc filesystem, which takes no new "
+                "files"),
     ("file/run1", "/file is not a folder"),
     ("new/deeper/run1", None),  # created when the files are written: probed where it would be
     ("run1", None),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mfsdp_hotfix.selftest import CaseResult, CaseSpec, format_table
 
 
@@ -47,6 +49,28 @@ def test_conclusion_is_one_greppable_line() -> None:
     assert not passed and line.startswith("selftest: FAIL: with the hotfix, megatron-fsdp 0.4.0: "
                                           "UNORDERED")
     assert "\n" not in line
+
+
+@pytest.mark.parametrize(("flavour", "path", "module", "why"), [
+    ("standalone", "/r", "megatron_fsdp", "megatron-fsdp (--flavour standalone) cannot be "
+     "imported: megatron-fsdp is not installed and not in --path /r"),
+    ("core", None, "megatron.core.distributed.fsdp", "megatron-core's copy of Megatron-FSDP "
+     "(--flavour core) cannot be imported: the megatron-core found has no "
+     "megatron.core.distributed.fsdp"),
+    ("core", None, "einops", "cannot be imported: it needs einops, which is not installed here"),
+    ("auto", None, None, "a Megatron-FSDP copy cannot be imported: none is importable here"),
+])
+def test_a_copy_that_cannot_be_imported_as_shipped_cannot_run(
+        flavour: str, path: str | None, module: str | None, why: str) -> None:
+    from mfsdp_hotfix.selftest.selftest import cannot_run
+
+    missing = {"module": module, "error": "ImportError: x"}
+    spec = CaseSpec(flavour=flavour, path=path)
+    line = cannot_run([("without hotfix", CaseResult(spec=spec, cannot_import=missing))])
+    assert line is not None and line.startswith("selftest: CANNOT RUN: ") and why in line, line
+    # importable as shipped, not with the hotfix: the hotfix's failure, not CANNOT RUN
+    assert cannot_run([("without hotfix", CaseResult(spec=spec, crashed=False)),
+                       ("with hotfix", CaseResult(spec=spec, cannot_import=missing))]) is None
 
 
 def test_case_labels_are_plain_words() -> None:
