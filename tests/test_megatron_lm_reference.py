@@ -299,3 +299,26 @@ def test_the_committed_reference_summary_is_what_the_raw_records_give() -> None:
     for path in records:
         with open(path, "rb") as f:
             assert b"/work/" not in gzip.decompress(f.read())
+
+
+def test_fused_wgrad_with_local_layers_gets_transformer_engine_and_waits_for_its_setup(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """Megatron-FSDP asserts TransformerEngine 2.10 or later for gradient_accumulation_fusion,
+    whatever the layers (the local-layer runs with fusion stopped so on the GPU without it)."""
+    import engine
+
+    monkeypatch.setattr(engine, "te_env", lambda: {"PYTHONPATH": "/te-site"})
+    paths = mlm.Paths({"core-0.19.2": str(tmp_path)}, {"core-0.19.2": str(tmp_path)})
+    cases = {c["id"]: c for c in mlm.plan(("core-0.19.2",), ("ddp-local", "ddp"))}
+    fused = cases["core-0.19.2|dp1|zero1|fp32|local|fused|det|hotfix|d0"]
+    apart = cases["core-0.19.2|dp1|zero1|fp32|local|det|hotfix|d0"]
+    te = cases["core-0.19.2|dp1|zero1|fp32|unfused|det|hotfix|d0"]
+    for c, want in ((fused, True), (apart, False), (te, True)):
+        env = mlm.command(c, paths, str(tmp_path), 1000.0)[1]
+        assert ("/te-site" in env["PYTHONPATH"].split(os.pathsep)) is want, c["id"]
+    monkeypatch.setattr(engine, "te_state", lambda: "failed")
+    monkeypatch.setattr(mlm.workdir, "run_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(mlm, "run_case", lambda c, *a: dict(c, outcome="ok"))
+    drv = mlm.Driver(paths, 1000.0, mlm.time.time() + 3600, 4, 240.0, 300.0)
+    assert drv.one(fused)["error"] == "TransformerEngine's setup failed"
+    assert drv.one(apart)["outcome"] == "ok"

@@ -170,7 +170,8 @@ def case(group: str, release: str, *, dp: int = 2, zero: int = 3, dtype: str = "
          delay_ms: float = 0.0, serialized: bool = False, impl: str = "te",
          fusion: bool | None = None, fsdp: bool = True, deterministic: bool = False
          ) -> dict[str, Any]:
-    """``impl``: ``te`` (TE layers) or ``local`` (megatron-core's own layers: runs without TE).
+    """``impl``: ``te`` (TE layers) or ``local`` (megatron-core's own layers; TE importable only
+    with ``fusion``, ``needs_te``).
     ``fusion``: fused wgrad accumulation; by default on with TE layers (Megatron-LM's default)
     and off with local layers. ``fsdp=False``: Megatron's own ``DistributedDataParallel`` with
     the distributed optimizer instead of Megatron-FSDP (``zero`` is then 0). ``deterministic``:
@@ -511,13 +512,21 @@ def command(c: dict[str, Any], paths: Paths, folder: str, cycles_per_ms: float
     return job, env
 
 
+def needs_te(c: dict[str, Any]) -> bool:
+    """TE layers, or fused wgrad accumulation with any layers: Megatron-FSDP asserts
+    TransformerEngine 2.10 or later for ``gradient_accumulation_fusion`` (megatron-core's own
+    linear then takes TE's ``general_gemm`` for the wgrad), so a local-layer run with fusion
+    has TE importable, as a user's job with TE installed has."""
+    return bool(c.get("impl", "te") == "te" or c.get("fusion"))
+
+
 def te_paths(c: dict[str, Any], env: dict[str, str]) -> list[str]:
     """The ``PYTHONPATH`` tail of a case; a TE case also gets what TE's setup exported (its
     site folder, library path), when TE was set up by ``megatron_lm_call.sh``."""
     import engine
 
     tail = [p for p in [env.get("PYTHONPATH")] if p]
-    if c.get("impl", "te") != "te":
+    if not needs_te(c):
         return tail
     te = engine.te_env()
     if te.get("LD_LIBRARY_PATH"):
@@ -875,7 +884,7 @@ class Driver:
         if c.get("truth_of") in self.truths:
             if self.truths[c["truth_of"]].result()["outcome"] == "not run":
                 return dict(c, outcome="not run", error="its serialized run was not run")
-        if c.get("impl", "te") == "te":
+        if needs_te(c):
             import engine
 
             while engine.te_state() == "building" and time.time() < self.deadline - 30:
@@ -898,7 +907,7 @@ class Driver:
                             + ("; ".join(collected["errors"]) or "none found"))
             left = self.deadline - time.time()
             return run_unit_tests(c, self.paths, min(self.unit_timeout, left), collected["ids"])
-        if c.get("impl") == "local" and self.te_building():
+        if not needs_te(c) and self.te_building():
             with self.no_te_slots:  # bounded() reads the budget left after the wait
                 return self.bounded(c)
         return self.bounded(c)
