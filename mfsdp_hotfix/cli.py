@@ -16,7 +16,7 @@ import site
 import sys
 from typing import Any
 
-from . import bootstrap, reporting, settings, status, tree, variables
+from . import bootstrap, installer, reporting, settings, status, tree, variables
 from .__about__ import __version__
 from .selftest.gpu_spec import LAYERS as GPU_LAYERS
 from .selftest.protocol import DEFAULT as DEFAULT_PROTOCOL
@@ -56,7 +56,8 @@ class _CommandListFormatter(argparse.HelpFormatter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``mfsdp-hotfix``; a closed stdout (``| head``) ends it quietly with status 141."""
+    """``mfsdp-hotfix``; a closed stdout (``| head``) ends it quietly with status 141 (``status``
+    keeps its own)."""
     try:
         try:
             code = _main(argv)
@@ -261,6 +262,9 @@ def _unfixed(data: dict[str, Any]) -> list[str]:
         if waiting and data.get("hotfix") == "not loaded":
             problems.append(f"{name}: {', '.join(waiting)} would apply, but "
                             f"{reporting.UNPROTECTING['not loaded']}")
+        problems += [f"{name}: release defect {defect['name']} not repaired (no fix repairs it; "
+                     f"{defect['configuration']})"
+                     for defect in copy.get("release_defects", []) if defect["fix"] is None]
     return problems
 
 
@@ -269,11 +273,31 @@ def _status(as_json: bool, check: bool, path: str | None, verbose: bool) -> int:
         return _folder_status(path, as_json, check, verbose)
     data = report()
     _warn(data["settings"]["problems"])
-    if as_json:
-        print(json.dumps(data, indent=2, sort_keys=True))
-    else:
-        print(_format(data, verbose))
-    return CHECK_UNFIXED if check and data["unfixed"] else CHECK_OK
+    _emit(_json(data) if as_json else _format(data, verbose))
+    return _check_status(data) if check else CHECK_OK
+
+
+def _check_status(data: dict[str, Any]) -> int:
+    """``--check``: 1 exactly when the first line says NOT protected."""
+    return CHECK_UNFIXED if data["verdict"]["protected"] is False else CHECK_OK
+
+
+def _json(data: dict[str, Any]) -> str:
+    """``status --json``: the verdict first (``| head`` shows the answer), the rest sorted."""
+    def ordered(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: ordered(value[key]) for key in sorted(value)}
+        return [ordered(item) for item in value] if isinstance(value, list) else value
+    return json.dumps({"verdict": data["verdict"], **ordered(data)}, indent=2)
+
+
+def _emit(text: str) -> None:
+    """Print ``text``; a reader that went away (``status --check | head -1``) took what it
+    wanted: the rest is dropped quietly and the command keeps its own exit status."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _warn(problems: list[str]) -> None:
@@ -309,7 +333,7 @@ def _copies_lines(data: dict[str, Any], verbose: bool) -> list[str]:
     if verbose and data["copies"]:
         lines.append(f"Megatron-FSDP copies ({reporting.SHAPE_MEANING}):")
     for copy in data["copies"]:
-        lines += _copy_lines(copy) if verbose else [_copy_line(copy)]
+        lines += _copy_lines(copy) if verbose else [_copy_line(copy, data.get("hotfix"))]
         if verbose:
             lines += [f"    {name} states {version} (not used as the label)"
                       for name, version in copy.get("package_info", {}).items()]
@@ -325,18 +349,24 @@ def _tail(data: dict[str, Any], verbose: bool) -> list[str]:
             "everything)"] if data["copies"] else []
 
 
-def _copy_line(copy: dict[str, Any]) -> str:
-    """``- megatron-fsdp 0.6.1 (era C): ordered-drain, zero1-accumulate would apply; at PATH``."""
-    if copy["refused"]:
-        return (f"- {copy['copy']} {copy['version'] or '(no version metadata)'}: REFUSED: "
-                f"{copy['reason']}; at {copy['path']}")
+def _copy_line(copy: dict[str, Any], hotfix: str | None) -> str:
+    """``- megatron-fsdp 0.6.1 (era C): ordered-drain, zero1-accumulate would apply; at PATH``;
+    a refused copy: what is left as shipped, what still applies, and what to use instead."""
     by_state: dict[str, list[str]] = {}
     for fix, state in copy["fixes"].items():
         if state["state"] != "not needed":
             by_state.setdefault(state["state"], []).append(fix)
-    fixes = "; ".join(f"{', '.join(names)} {state}" for state, names in by_state.items())
+    left = ", ".join(by_state.pop(installer.REFUSED, [])) if copy["refused"] else ""
+    parts = [f"{', '.join(names)} {state}" for state, names in by_state.items()]
+    unrepaired = [defect for defect in copy.get("release_defects", []) if defect["fix"] is None]
+    parts += [f"{defect['name']} NOT repaired" for defect in unrepaired]
+    if copy["refused"]:
+        parts = ([f"REFUSED: {left + ' ' if left else ''}left as shipped"] + parts
+                 + reporting.remedies(copy, hotfix) + ["--verbose: why"])
+    else:
+        parts += [f"for {defect['name']} use {defect['workarounds'][0]}" for defect in unrepaired]
     notes = len(copy["notes"])
-    return (f"- {reporting.name(copy)}: {fixes or 'needs none of the fixes'}"
+    return (f"- {reporting.name(copy)}: {'; '.join(parts) or 'needs none of the fixes'}"
             + (f" ({notes} note{'s' if notes > 1 else ''}: --verbose)" if notes else "")
             + f"; at {copy['path']}")
 
@@ -360,13 +390,25 @@ def _copy_lines(copy: dict[str, Any]) -> list[str]:
     for defect in copy.get("release_defects", []):
         lines += [f"    release defect {defect['name']}: "
                   + ("repaired" if defect["repaired"] else "NOT repaired")
-                  + f" ({defect['fix']}: {defect['fix_state']})",
+                  + (f" ({defect['fix']}: {defect['fix_state']})" if defect["fix"] else
+                     f" (no fix repairs it; {_carrier_words(defect['carrier'])})"),
                   f"      when: {defect['configuration']}",
                   f"      symptom: {defect['symptom']}",
                   "      without the fix: " + "; or ".join(defect["workarounds"]),
                   f"      upstream fix: {defect['upstream']}",
                   f"      not covered: {defect['not_covered']}"]
     return lines
+
+
+def _carrier_words(carrier: dict[str, Any]) -> str:
+    """``_bucket_group_gradient_reduce: the code of megatron-core 0.14``: where the copy's code
+    has the defect."""
+    name = carrier["function"].rsplit(".", 1)[-1]
+    shape = carrier["shape"]
+    if shape is None:
+        return f"{name} has a code shape the hotfix does not know: the copy may have it"
+    return f"{name}: the code of megatron-core {shape}" if re.fullmatch(r"\d+\.\d+", shape) \
+        else f"{name}: {shape}"
 
 
 def _v2_lines(v2_copies: list[dict[str, Any]], verbose: bool) -> list[str]:
@@ -391,15 +433,15 @@ def _folder_status(path: str, as_json: bool, check: bool, verbose: bool) -> int:
     data["unfixed"] = _unfixed(data)
     data["verdict"] = reporting.verdict(data, None)
     if as_json:
-        print(json.dumps(data, indent=2, sort_keys=True))
-        return CHECK_UNFIXED if check and data["unfixed"] else CHECK_OK
+        _emit(_json(data))
+        return _check_status(data) if check else CHECK_OK
     lines = [data["verdict"]["line"]]
     lines += _copies_lines(data, verbose)
     lines.append(f"mfsdp-hotfix {data['mfsdp_hotfix']}, for {data['scope']}"
                  + (" (labels from the dist-info beside each copy only)" if verbose else ""))
     lines += _tail(data, verbose)
-    print("\n".join(lines))
-    return CHECK_UNFIXED if check and data["unfixed"] else CHECK_OK
+    _emit("\n".join(lines))
+    return _check_status(data) if check else CHECK_OK
 
 
 def _shape_line(qualname: str, found: dict[str, Any], fingerprint: str | None,

@@ -7,7 +7,13 @@ configurations still fail as shipped: building a ``MegatronFSDP`` in one raises
 :class:`~mfsdp_hotfix.UnsupportedConfiguration` naming the release, the configuration and the
 workaround, instead of the release's assertion later in training. A fix the user ``disabled``
 (or ``MFSDP_HOTFIX=0``) is reported uncovered but not enforced: that is how the shipped behaviour
-is studied. ``status()`` lists every entry per copy under ``limits``.
+is studied. A configuration no fix makes right (HSDP with unsharded gradients and
+``overlap_grad_reduce=False``: wrong as shipped and with reduce-once alike) is refused whatever
+the fix's state, except under ``MFSDP_HOTFIX=0``. Only copies with the defect are limited: the
+synchronous reductions' shapes say which strategies reduce twice. A release defect no fix
+repairs (:class:`~mfsdp_hotfix.registry.ReleaseDefect` with no ``fix``) leaves the configurations
+it hits uncovered wherever the copy's code has it, or may have it: building a model in one is
+refused while the hotfix is loaded. ``status()`` lists every entry per copy under ``limits``.
 """
 
 from __future__ import annotations
@@ -24,62 +30,29 @@ _SHARDED_GRADS = ("optim_grads", "optim_grads_params")
 
 @dataclass(frozen=True)
 class Limit:
-    """The configurations one fix covers, what they do without it, and the way around it."""
+    """The configurations one fix covers, what they do without it, and the way around it; or
+    (``fix`` None) the configurations a release defect no fix repairs hits (``defect``).
 
-    fix: str
+    ``reduction``: a synchronous reduction (:data:`registry.SYNCHRONOUS_REDUCTIONS`) the defect
+    needs to reduce; a copy whose code skips every buffer there does not have it.
+    ``repaired`` False: no state of ``fix`` makes the configuration right (neither the shipped
+    code nor the fixed one): it is refused whatever that state, except with the hotfix off.
+    ``matches`` may read the built model's buffers and groups; where it cannot (a fork's
+    model), the model counts as in the configuration.
+    """
+
+    fix: str | None
     configuration: str
-    matches: Callable[[Any], bool]  # the model's ddp_config -> in this configuration?
+    matches: Callable[[Any], bool]  # the MegatronFSDP just built -> in this configuration?
     failure: str  # without the fix; "{defect}" is the copy's era defect
     workaround: str
-    # the built model -> is its layout one this limit is about (its groups, not its config)
-    layout: Callable[[Any], bool] = lambda model: True
+    reduction: str | None = None
+    repaired: bool = True
+    defect: registry.ReleaseDefect | None = None  # fix None: the defect, decided by its carrier
 
 
-LIMITS = (
-    Limit(registry.GETTER_GUARD.id,
-          "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True and fused "
-          "wgrad accumulation",
-          lambda config: (config.fsdp_double_buffer
-                          and config.data_parallel_sharding_strategy in _SHARDED_GRADS),
-          "{defect}",
-          "set fsdp_double_buffer=False, or upgrade to megatron-core >= 0.19.0 / "
-          "megatron-fsdp >= 0.6.0"),
-    Limit(registry.ORDERED_DRAIN.id,
-          "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True",
-          lambda config: (config.fsdp_double_buffer
-                          and config.data_parallel_sharding_strategy in _SHARDED_GRADS),
-          "{defect}",
-          "set fsdp_double_buffer=False"),
-    Limit(registry.MISSED_POST_BACKWARD.id,
-          "ZeRO-3 (optim_grads_params) with fsdp_double_buffer=True",
-          lambda config: (config.fsdp_double_buffer
-                          and config.data_parallel_sharding_strategy == "optim_grads_params"),
-          "crash: '[fsdp_params] No buffer found for bucket_id' at the first forward after a "
-          "backward, when a unit's inputs need no gradient (the first unit of a model fed "
-          "data)",
-          "set fsdp_double_buffer=False, or upgrade to megatron-core >= 0.16.0 / "
-          "megatron-fsdp >= 0.3.0"),
-    Limit(registry.ZERO1_ACCUMULATE.id,
-          "ZeRO-1 (optim)",
-          lambda config: config.data_parallel_sharding_strategy == "optim",
-          registry.ZERO1_FUSED_WGRAD_OVERWRITE.symptom
-          + ", with fused wgrad accumulation and 2 or more microbatches per step",
-          " or ".join(registry.ZERO1_FUSED_WGRAD_OVERWRITE.workarounds)),
-    Limit(registry.REDUCE_ONCE.id,
-          "ZeRO-1 (optim) or no_shard with overlap_grad_reduce=False",
-          lambda config: (config.data_parallel_sharding_strategy in ("no_shard", "optim")
-                          and not config.overlap_grad_reduce),
-          registry.UNSHARDED_GRADS_REDUCED_TWICE.symptom,
-          " or ".join(registry.UNSHARDED_GRADS_REDUCED_TWICE.workarounds)),
-    Limit(registry.SINGLE_RANK_REDUCE.id,
-          "ZeRO-2/3 (optim_grads, optim_grads_params) with a gradient buffer whose "
-          "data-parallel group has one rank (data-parallel size 1; experts with expert-parallel "
-          "size equal to the data-parallel size)",
-          lambda config: config.data_parallel_sharding_strategy in _SHARDED_GRADS,
-          registry.SINGLE_RANK_GRADS.symptom,
-          " or ".join(registry.SINGLE_RANK_GRADS.workarounds),
-          layout=lambda model: has_one_rank_gradient_group(model)),
-)
+def _sharded(model: Any) -> bool:
+    return model.ddp_config.data_parallel_sharding_strategy in _SHARDED_GRADS
 
 
 def has_one_rank_gradient_group(model: Any) -> bool:
@@ -90,44 +63,209 @@ def has_one_rank_gradient_group(model: Any) -> bool:
                for group in model.param_and_grad_buffer.parameter_groups)
 
 
+def _scales_before_summing_a_shard(model: Any) -> bool:
+    """Whether a built model reduces a sharded gradient buffer through the branch of the
+    release's ``gradient_reduce_preprocessing`` that scales in place and then SUMs: a scaling
+    factor (no calculate_per_token_loss), no average_in_collective, and no fused division
+    (gradient_reduce_div_fusion off, or a bf16 buffer). That branch is where megatron-fsdp
+    0.1.0-0.2.3 scale the buffer's local shard instead of the bucket they reduce. A buffer is
+    sharded only over 2 or more data-parallel ranks (``is_data_distributed``)."""
+    config = model.ddp_config
+    if config.average_in_collective:
+        return False
+    for group in model.param_and_grad_buffer.parameter_groups:
+        buffer = group.main_grad_buffer
+        if (buffer is not None and buffer.is_data_distributed
+                and buffer.gradient_scaling_factor is not None
+                and not (config.gradient_reduce_div_fusion
+                         and str(buffer.dtype) != "torch.bfloat16")):
+            return True
+    return False
+
+
+def _without_overlap(strategy: str) -> Callable[[Any], bool]:
+    return lambda model: (model.ddp_config.data_parallel_sharding_strategy == strategy
+                          and not model.ddp_config.overlap_grad_reduce)
+
+
+def _hsdp_without_overlap(strategy: str) -> Callable[[Any], bool]:
+    """HSDP (a DP-Outer group of 2 or more ranks, replicated over it) with ``strategy`` and
+    ``overlap_grad_reduce=False``."""
+    return lambda model: (_without_overlap(strategy)(model) and model.dist_index.use_hybrid_fsdp
+                          and model.ddp_config.outer_dp_sharding_strategy == "no_shard"
+                          and model.dist_index.get_outer_fsdp_group().size() > 1)
+
+
+_UNSHARDED = {"optim": "ZeRO-1 (optim)", "no_shard": "no_shard"}
+_OVERLAP = "overlap_grad_reduce=True (the default)"
+_HSDP_FAILURE = (
+    "silently wrong gradients with a DP-Outer group of 2 or more ranks: without overlap, "
+    "finish_grad_sync reduces unsharded gradients over the DP-Shard group only, and the "
+    "all-reduce over DP-Outer is only in the backward "
+    "hooks' reduction, which the release runs as well (reducing twice) and reduce-once, like "
+    "NVIDIA/Megatron-LM#6357, leaves out (never reduced over DP-Outer)")
+
+LIMITS = (
+    Limit(registry.GETTER_GUARD.id,
+          "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True and fused "
+          "wgrad accumulation",
+          lambda model: (model.ddp_config.fsdp_double_buffer
+                         and model.ddp_config.data_parallel_sharding_strategy in _SHARDED_GRADS),
+          "{defect}",
+          "set fsdp_double_buffer=False, or upgrade to megatron-core >= 0.19.0 / "
+          "megatron-fsdp >= 0.6.0"),
+    Limit(registry.ORDERED_DRAIN.id,
+          "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True",
+          lambda model: (model.ddp_config.fsdp_double_buffer
+                         and model.ddp_config.data_parallel_sharding_strategy in _SHARDED_GRADS),
+          "{defect}",
+          "set fsdp_double_buffer=False"),
+    Limit(registry.MISSED_POST_BACKWARD.id,
+          "ZeRO-3 (optim_grads_params) with fsdp_double_buffer=True",
+          lambda model: (model.ddp_config.fsdp_double_buffer
+                         and model.ddp_config.data_parallel_sharding_strategy
+                         == "optim_grads_params"),
+          "crash: '[fsdp_params] No buffer found for bucket_id' at the first forward after a "
+          "backward, when a unit's inputs need no gradient (the first unit of a model fed "
+          "data)",
+          "set fsdp_double_buffer=False, or upgrade to megatron-core >= 0.16.0 / "
+          "megatron-fsdp >= 0.3.0"),
+    Limit(registry.ZERO1_ACCUMULATE.id,
+          "ZeRO-1 (optim)",
+          lambda model: model.ddp_config.data_parallel_sharding_strategy == "optim",
+          registry.ZERO1_FUSED_WGRAD_OVERWRITE.symptom
+          + ", with fused wgrad accumulation and 2 or more microbatches per step",
+          " or ".join(registry.ZERO1_FUSED_WGRAD_OVERWRITE.workarounds)),
+    # Without overlap, finish_grad_sync reduces unsharded gradients over the DP-Shard group
+    # only; the DP-Outer all-reduce is in the hooks' reduction alone, which reduces a second
+    # time as shipped and not at all with reduce-once (or NVIDIA/Megatron-LM#6357).
+    *(Limit(registry.REDUCE_ONCE.id,
+            f"HSDP with {label} and overlap_grad_reduce=False",
+            _hsdp_without_overlap(strategy),
+            _HSDP_FAILURE, _OVERLAP,
+            reduction=registry.SYNCHRONOUS_REDUCTIONS[strategy], repaired=False)
+      for strategy, label in _UNSHARDED.items()),
+    *(Limit(registry.REDUCE_ONCE.id, f"{label} with overlap_grad_reduce=False",
+            _without_overlap(strategy),
+            registry.UNSHARDED_GRADS_REDUCED_TWICE.symptom,
+            " or ".join(registry.UNSHARDED_GRADS_REDUCED_TWICE.workarounds),
+            reduction=registry.SYNCHRONOUS_REDUCTIONS[strategy])
+      for strategy, label in _UNSHARDED.items()),
+    Limit(registry.SINGLE_RANK_REDUCE.id,
+          "ZeRO-2/3 (optim_grads, optim_grads_params) with a gradient buffer whose "
+          "data-parallel group has one rank (data-parallel size 1; experts with expert-parallel "
+          "size equal to the data-parallel size)",
+          lambda model: _sharded(model) and has_one_rank_gradient_group(model),
+          registry.SINGLE_RANK_GRADS.symptom,
+          " or ".join(registry.SINGLE_RANK_GRADS.workarounds)),
+    Limit(None,
+          "ZeRO-2/3 (optim_grads, optim_grads_params) over 2 or more data-parallel ranks with "
+          "the gradients scaled before a SUM reduction (gradient_reduce_div_fusion=False or a "
+          "bf16 gradient buffer, without calculate_per_token_loss or average_in_collective)",
+          lambda model: _sharded(model) and _scales_before_summing_a_shard(model),
+          registry.SHARDED_GRADS_SUMMED_UNSCALED.symptom,
+          " or ".join(registry.SHARDED_GRADS_SUMMED_UNSCALED.workarounds),
+          defect=registry.SHARDED_GRADS_SUMMED_UNSCALED),
+    Limit(None,
+          "ZeRO-1 (optim) with overlap_grad_reduce=True, or HSDP with ZeRO-2/3 and a one-rank "
+          "DP-Shard gradient group",
+          lambda model: ((model.ddp_config.data_parallel_sharding_strategy == "optim"
+                          and model.ddp_config.overlap_grad_reduce)
+                         or (_sharded(model) and model.dist_index.use_hybrid_fsdp
+                             and has_one_rank_gradient_group(model))),
+          registry.UNSHARDED_SHARD_ADDED_TO_ITSELF.symptom,
+          " or ".join(registry.UNSHARDED_SHARD_ADDED_TO_ITSELF.workarounds),
+          defect=registry.UNSHARDED_SHARD_ADDED_TO_ITSELF),
+)
+
 # Fix states that leave a configuration failing, and whether building a model in it is refused.
+# UNREPAIRED: a release defect no fix repairs, which the copy's code has or may have.
+UNREPAIRED = "not repaired"
 _UNCOVERED = {"unverified": True, "failed": True, "disabled": False, "off": False,
-              "refused": False}
+              "refused": False, UNREPAIRED: True}
 
 
-def limits(found: Detection, fixes: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
-    """Per configuration this copy needs a fix for: whether it is covered, and if not why."""
+def limits(found: Detection, fixes: dict[str, tuple[str, str]],
+           enforced: bool = True) -> list[dict[str, Any]]:
+    """Per configuration this copy has a defect in: whether it is covered, and if not why.
+    ``enforced`` False: the hotfix is off, so nothing is refused at model construction."""
     out = []
     for limit in LIMITS:
-        state = fixes.get(limit.fix, ("not needed", ""))[0]
-        if state == "not needed":
+        state, _ = _state(limit, found, fixes)
+        if not _has_defect(limit, found, state):
             continue
         entry: dict[str, Any] = {"configuration": limit.configuration, "fix": limit.fix,
-                                 "covered": state not in _UNCOVERED}
+                                 "covered": limit.repaired and state not in _UNCOVERED}
+        if limit.defect is not None:
+            entry["defect"] = limit.defect.name
         if not entry["covered"]:
             entry.update(failure=_failure(limit, found), workaround=limit.workaround,
-                         refused_at_model_construction=_UNCOVERED[state])
+                         refused_at_model_construction=_refused(limit, state) and enforced)
         out.append(entry)
     return out
 
 
-def check(found: Detection, fixes: dict[str, tuple[str, str]], ddp_config: Any,
-          model: Any = None) -> None:
-    """Raise :class:`~mfsdp_hotfix.UnsupportedConfiguration` if the model just built with
-    ``ddp_config`` is in a configuration this copy needs an unavailable fix for (``model``: the
-    built model, whose layout a limit may ask about; None: any layout)."""
+def check(found: Detection, fixes: dict[str, tuple[str, str]], model: Any) -> None:
+    """Raise :class:`~mfsdp_hotfix.UnsupportedConfiguration` if ``model`` (a MegatronFSDP just
+    built) is in a configuration this copy is not covered for and that is refused."""
     from .errors import UnsupportedConfiguration
 
     for limit in LIMITS:
-        state, reason = fixes.get(limit.fix, ("not needed", ""))
-        if (_UNCOVERED.get(state) and limit.matches(ddp_config)
-                and (model is None or limit.layout(model))):
-            raise UnsupportedConfiguration(
-                f"mfsdp_hotfix: {found.copy.label} {found.copy.distribution} "
-                f"{found.version or '(version unknown)'} at {found.module_path} is not covered "
-                f"for {limit.configuration}: the fix {limit.fix} is {state} ({reason}). "
-                f"As shipped this configuration fails ({_failure(limit, found)}). "
-                f"Workaround: {limit.workaround}.")
+        state, why = _state(limit, found, fixes)
+        if not (_has_defect(limit, found, state) and _refused(limit, state)):
+            continue
+        try:
+            if not limit.matches(model):
+                continue
+        except Exception as exc:  # a fork's model: cannot tell, so not covered
+            why += f"; whether this model is in it could not be read ({exc!r})"
+        if not limit.repaired:
+            why = (f"no fix repairs it, neither the shipped code nor {limit.fix} is right "
+                   f"({limit.fix} is {state} here)")
+        raise UnsupportedConfiguration(
+            f"mfsdp_hotfix: {found.copy.label} {found.copy.distribution} "
+            f"{found.version or '(version unknown)'} at {found.module_path} is not covered "
+            f"for {limit.configuration}: {why}. As shipped this configuration fails "
+            f"({_failure(limit, found)}). Workaround: {limit.workaround}.")
+
+
+def _state(limit: Limit, found: Detection, fixes: dict[str, tuple[str, str]]
+           ) -> tuple[str | None, str]:
+    """The state behind ``limit`` on this copy (its fix's, None where the fix was not judged,
+    or :data:`UNREPAIRED` where the copy has its release defect or may have it), and why."""
+    if limit.defect is None:
+        assert limit.fix is not None
+        state, reason = fixes.get(limit.fix, (None, ""))
+        return state, f"the fix {limit.fix} is {state} ({reason})"
+    defect = limit.defect
+    assert defect.carrier is not None
+    has = registry.carried(defect, found.shapes)
+    if has is False:
+        return "not needed", ""
+    where = registry.short_name(defect.carrier)
+    if has is None:
+        return UNREPAIRED, (f"its {where} has a code shape the hotfix does not know, so the "
+                            f"release defect {defect.name} is not ruled out, and no fix "
+                            "repairs it")
+    return UNREPAIRED, f"its {where} has the release defect {defect.name}, which no fix repairs"
+
+
+def _has_defect(limit: Limit, found: Detection, state: str | None) -> bool:
+    """Whether this copy has the defect ``limit`` is about: its fix is judged for the copy
+    (and needed or possibly needed, for a defect the fix repairs), and the synchronous
+    reduction it needs does reduce, or its shape is unknown."""
+    if state is None or (limit.repaired and state == "not needed"):
+        return False
+    if limit.reduction is None:
+        return True
+    shape = found.shapes.get(limit.reduction)
+    return shape is None or bool(shape.reduces)
+
+
+def _refused(limit: Limit, state: str | None) -> bool:
+    if not limit.repaired:
+        return state != "off"
+    return _UNCOVERED.get(state or "", False)
 
 
 def _failure(limit: Limit, found: Detection) -> str:

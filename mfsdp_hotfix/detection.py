@@ -248,10 +248,11 @@ def _sources(source: Callable[[str], str]) -> tuple[dict[str, str | None], list[
 
 
 def _reduction_sources(source: Callable[[str], str]) -> dict[str, str | None]:
-    """The synchronous reductions' sources (:data:`registry.SYNCHRONOUS_REDUCTIONS`), None where
-    absent or unreadable: like a gate, they decide a fix's need, never the copy's refusal."""
+    """The synchronous reductions' sources (:data:`registry.SYNCHRONOUS_REDUCTIONS`) and the
+    defect carriers' (:data:`registry.DEFECT_CARRIERS`), None where absent or unreadable: like a
+    gate, they decide a fix's need or a defect's presence, never the copy's refusal."""
     sources: dict[str, str | None] = {}
-    for qualname in registry.SYNCHRONOUS_REDUCTIONS.values():
+    for qualname in (*registry.SYNCHRONOUS_REDUCTIONS.values(), *registry.DEFECT_CARRIERS):
         try:
             sources[qualname] = source(qualname)
         except (AttributeError, KeyError, fingerprints.SourceUnavailable):

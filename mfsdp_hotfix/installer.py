@@ -63,6 +63,8 @@ _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains be
                                                "step, not every microbatch "
                                                "(NVIDIA/Megatron-LM#6773)"}
 REFUSED = "refused"
+# The incident (:mod:`incidents`) of an import hook that raised: the copy may be left unpatched.
+INSTALL_FAILURE = "install"
 
 
 @dataclass
@@ -96,7 +98,18 @@ WOULD_APPLY = "would apply"
 def view() -> tuple[settings_module.Settings | None, bool, list[CopyRecord]]:
     """A consistent copy of what the install did (settings, installed, records) for reporting."""
     with _lock:
+        _note_failures()
         return _state.settings, _state.installed, list(_state.records.values())
+
+
+def _note_failures() -> None:
+    """A fix that failed at runtime (:mod:`incidents`) switched itself off in this process: it
+    is ``failed`` on every copy it was applied to, for status and for the coverage gate."""
+    failures = incidents.failures()
+    for record in _state.records.values():
+        for fix_id, (state, _) in record.fixes.items():
+            if state == "applied" and fix_id in failures:
+                record.fixes[fix_id] = ("failed", failures[fix_id])
 
 
 def install(strict: bool | None = None) -> bool:
@@ -145,7 +158,8 @@ def uninstall() -> bool:
     with _lock:
         complete = True
         for record in _state.records.values():
-            for undo in record.undo.values():
+            # last applied, first undone: two fixes may wrap the same method
+            for undo in reversed(record.undo.values()):
                 complete = undo() and complete
         _state.records.clear()
         _state.installed = False
@@ -185,7 +199,7 @@ def _on_import(module: ModuleType, late: bool = False) -> None:
     except HotfixRefused:
         raise
     except Exception as exc:
-        incidents.report("install", f"the import hook of {module.__name__}", exc)
+        incidents.report(INSTALL_FAILURE, f"the import hook of {module.__name__}", exc)
 
 
 def _handle(module: ModuleType, late: bool) -> None:
@@ -245,6 +259,10 @@ def _fix_state_if_on(fix: Fix, found: Detection, settings: settings_module.Setti
     if unknown:
         return REFUSED, (f"it rests on {', '.join(unknown)}, whose code shape this hotfix does "
                          "not know in this copy, so the fix is not applied")
+    reductions = [found.shapes.get(name) for name in fix.reductions]
+    if reductions and all(shape is not None and not shape.reduces for shape in reductions):
+        # the defect needs a synchronous reduction that reduces, whatever the gate's shape
+        return "not needed", _NOT_NEEDED[fix.id]
     strange = [name for name in ((fix.gate,) if fix.gate else ()) + fix.reductions
                if found.shapes.get(name) is None]
     if strange:
@@ -284,7 +302,9 @@ def _after_model_init(record: CopyRecord, wrapped: Any, instance: Any, args: tup
     """Once a model exists: refuse a configuration this copy is not covered for, log the
     process's summary line (once) and compare ranks."""
     wrapped(*args, **kwargs)
-    coverage.check(record.detection, record.fixes, instance.ddp_config, instance)
+    with _lock:
+        _note_failures()
+    coverage.check(record.detection, record.fixes, instance)
     global _summary_logged
     if not _summary_logged:
         _summary_logged = True
@@ -348,7 +368,8 @@ def _refuse(found: Detection, fixes: dict[str, tuple[str, str]] | None = None) -
     defect that is left, and the fixes that rest on none of what was refused and still apply."""
     states = {fix_id: state for fix_id, (state, _) in (fixes or {}).items()}
     kept = [fix_id for fix_id, state in states.items() if state == WOULD_APPLY]
-    left = [defect for defect in registry.defects_of(states) if states[defect.fix] != WOULD_APPLY]
+    left = [defect for defect in registry.defects_of(states, found.shapes)
+            if defect.fix is None or states[defect.fix] != WOULD_APPLY]
     message = (f"mfsdp_hotfix: NOT patching {found.copy.label} "
                f"({found.copy.distribution} {found.version or 'version unknown'}) at "
                f"{found.module_path}: {found.reason}. Until this is resolved, run with "

@@ -67,6 +67,10 @@ GATES = (HOOKS, OVERWRITE_SETTER)
 REDUCE_SCATTER = "ParamAndGradBuffer.reduce_scatter_gradients"
 ALL_REDUCE = "ParamAndGradBuffer.all_reduce_gradients"
 SYNCHRONOUS_REDUCTIONS = {"optim": REDUCE_SCATTER, "no_shard": ALL_REDUCE}
+# In the buffer module: where each bucket's gradients are scaled and reduced. Read only to decide
+# the release defects no fix repairs (a shape's ``carries``); like a gate, never the refusal.
+BUCKET_REDUCE = "GradReducePipeline._bucket_group_gradient_reduce"
+DEFECT_CARRIERS = (BUCKET_REDUCE,)
 # Builds the pools; read only to say how many slots the gradient pool has (status).
 POOL_BUILDER = "ParamAndGradBuffer._init_each_parameter_group_buffers"
 # Every release's pools have 2 slots (``UB_BUFFER_NUM = 2``); NVIDIA PR #6316 makes it the
@@ -98,6 +102,8 @@ class Shape:
     #                                        (POOL_SIZE: the pool size N, from the config)
     needs: frozenset[str] = frozenset()  # gate: ids of the fixes this shape needs
     reduces: bool | None = None  # synchronous reduction: reduces every gradient buffer
+    carries: frozenset[str] = frozenset()  # carrier: names of the release defects no fix
+    #                                        repairs that this code has
     note: str = "ordered-drain reuses it"  # what any other shape implies
 
     def implies(self) -> str:
@@ -115,6 +121,8 @@ class Shape:
                     "skips every gradient buffer: reduces nothing")
         if self.needs:
             return "needs " + ", ".join(sorted(self.needs))
+        if self.carries:
+            return "has " + ", ".join(sorted(self.carries)) + ", which no fix repairs"
         return self.note
 
 
@@ -204,6 +212,20 @@ SHAPES.update({qualname: (
     Shape("reduces every buffer", structure="reduces_every_buffer", reduces=True),
     Shape("skips every buffer", structure="skips_every_buffer", reduces=False))
     for qualname in SYNCHRONOUS_REDUCTIONS.values()})
+# megatron-fsdp 0.1.0-0.2.3 / megatron-core 0.14.0-0.15.3 pre-scale the buffer's local data,
+# not the bucket they reduce (SHARDED_GRADS_SUMMED_UNSCALED); 0.3.0 / 0.16.0 scale the bucket,
+# but reduce-scatter an unsharded buffer into itself and then add the result onto it
+# (UNSHARDED_SHARD_ADDED_TO_ITSELF), which 0.1.0-0.2.3 all-reduce and 0.4.0 / 0.17.0 copy.
+# A text not listed here may have any of the defects (status says so; a model built in a
+# configuration one of them hits is refused).
+SHAPES[BUCKET_REDUCE] = (
+    Shape("0.14", "f01923e16ccee5d907463f6c716bef6a16e5f8cb65a00e7a2c3cb27967c4322b",
+          carries=frozenset({"sharded-grads-summed-unscaled"})),
+    Shape("0.16", "ce9962803fc1cf08756f51a63756077f8cec43d67828c6831448a560d7e109e7",
+          carries=frozenset({"unsharded-shard-added-to-itself"})),
+    Shape("0.17", "dc74523e2efbcce02a3015f671701ce60296c8a3cdf7605be77c6d151280f37f",
+          note="scales the bucket it reduces"),
+)
 
 # The shapes (getter, drain, wait) each verified release shipped, checked against every wheel by
 # tests/test_detection.py. Only these labels can make a copy a "verified release".
@@ -429,11 +451,15 @@ class ReleaseDefect:
     ``fix``: the fix (in :data:`FIXES`) that repairs it; the releases it affects are the copies
     whose code needs that fix (a fix's gate shape decides, whatever the label), so a copy is
     judged by its code and the ranges here only say where the shipped releases stand.
+    ``fix`` None: no fix repairs it; ``carrier`` (in :data:`DEFECT_CARRIERS`) is the function
+    whose shape decides, by its :attr:`Shape.carries` (an unknown shape: the copy may have it).
+    A copy with such a defect is not protected, and a model built in a configuration the
+    defect hits is refused (``coverage.py``).
     ``not_covered``: where the defect remains even with the fix (told, not repaired).
     """
 
     name: str
-    fix: str
+    fix: str | None
     releases: dict[str, str]  # distribution -> affected release range
     git_trees: str  # how a git install or fork is recognised
     configuration: str  # what triggers it
@@ -441,6 +467,7 @@ class ReleaseDefect:
     workarounds: tuple[str, ...]  # for users who cannot take the fix, each verified
     upstream: str
     not_covered: str
+    carrier: str | None = None  # fix None: the function whose shape has the defect
 
 
 ZERO1_FUSED_WGRAD_OVERWRITE = ReleaseDefect(
@@ -486,7 +513,11 @@ UNSHARDED_GRADS_REDUCED_TWICE = ReleaseDefect(
     "of the data-parallel size with a SUM reduction, calculate_per_token_loss)",
     ("overlap_grad_reduce=True (the default)",),
     REDUCE_ONCE.upstream,
-    "nothing: every configuration with the defect is repaired where the fix applies",
+    "HSDP (a DP-Outer group of 2 or more ranks) with ZeRO-1 or no_shard and "
+    "overlap_grad_reduce=False: finish_grad_sync reduces over the DP-Shard group only, and the "
+    "DP-Outer all-reduce is only in the hooks' reduction, so reducing once there is wrong too "
+    "(NVIDIA main, with NVIDIA/Megatron-LM#6357, as well). Building such a model is refused, "
+    "whatever the fix's state; use overlap_grad_reduce=True",
 )
 SINGLE_RANK_GRADS = ReleaseDefect(
     "single-rank-grads-reduced-every-microbatch",
@@ -511,14 +542,78 @@ SINGLE_RANK_GRADS = ReleaseDefect(
      "not experts)"),
     SINGLE_RANK_REDUCE.upstream,
     "HSDP with a one-rank DP-Shard group on megatron-fsdp 0.3.0-0.3.1 / megatron-core 0.16, "
-    "whose last reduction still adds the buffer onto itself",
+    "whose last reduction still adds the buffer onto itself (unsharded-shard-added-to-itself: "
+    "refused)",
 )
-RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE, UNSHARDED_GRADS_REDUCED_TWICE, SINGLE_RANK_GRADS)
+SHARDED_GRADS_SUMMED_UNSCALED = ReleaseDefect(
+    "sharded-grads-summed-unscaled",
+    None,
+    {"megatron-fsdp": "0.1.0-0.2.3", "megatron-core": "0.14.0-0.15.3"},
+    "any copy whose GradReducePipeline._bucket_group_gradient_reduce has the text these "
+    "releases shipped (it pre-scales gbuf.data, not the bucket it reduces)",
+    "ZeRO-2/3 (optim_grads, optim_grads_params) over 2 or more data-parallel ranks with the "
+    "gradients scaled before a SUM reduction: gradient_reduce_div_fusion=False, or a bf16 "
+    "gradient buffer (bf16 gradients with grad_reduce_in_fp32=False); not with "
+    "calculate_per_token_loss=True or average_in_collective=True (nothing is scaled then), nor "
+    "with fp32 gradient buffers and gradient_reduce_div_fusion=True (scaled in the collective)",
+    "silently wrong gradients: the scale 1/data-parallel size is applied to the rank's "
+    "accumulated gradient shard instead of the bucket that is reduce-scattered, which is "
+    "summed unscaled: gradients data-parallel size times too large, and wrong beyond a "
+    "constant factor when accumulated over microbatches",
+    ("calculate_per_token_loss=True (the release scales nothing; the loss carries the "
+     "normalisation)",
+     "fp32 gradient reduction (grad_reduce_in_fp32=True) with gradient_reduce_div_fusion=True, "
+     "the default",
+     "megatron-fsdp >= 0.3.0 / megatron-core >= 0.16.0, which scale the bucket they reduce"),
+    "fixed in megatron-fsdp 0.3.0 / megatron-core 0.16.0",
+    "every configuration it hits: no fix repairs it, and a model built in one is refused "
+    "(UnsupportedConfiguration) while the hotfix is loaded",
+    carrier=BUCKET_REDUCE,
+)
+UNSHARDED_SHARD_ADDED_TO_ITSELF = ReleaseDefect(
+    "unsharded-shard-added-to-itself",
+    None,
+    {"megatron-fsdp": "0.3.0-0.3.1", "megatron-core": "0.16.0-0.16.1"},
+    "any copy whose GradReducePipeline._bucket_group_gradient_reduce has the text these "
+    "releases shipped (it adds every reduce-scattered shard onto the gradient buffer, sharded or "
+    "not)",
+    "ZeRO-1 (optim) with overlap_grad_reduce=True (the default), whatever the number of ranks "
+    "and microbatches; and HSDP with ZeRO-2/3 whose DP-Shard group has one rank",
+    "silently wrong gradients: the backward hooks reduce-scatter an unsharded gradient buffer "
+    "into its own shard and then add the reduced shard onto that shard, so each rank's "
+    "gradients are its own unreduced ones plus the mean (or twice the mean, with the double "
+    "buffer, whose shard is the bucket itself)",
+    ("ZeRO-1 with overlap_grad_reduce=False (with the hotfix: reduce-once leaves the reduction "
+     "to finish_grad_sync, which does not add)",
+     "ZeRO-2 or ZeRO-3",
+     "megatron-fsdp >= 0.4.0 / megatron-core >= 0.17.0, which copy the reduced shard"),
+    "fixed in megatron-fsdp 0.4.0 / megatron-core 0.17.0",
+    "every configuration it hits: no fix repairs it, and a model built in one is refused "
+    "(UnsupportedConfiguration) while the hotfix is loaded",
+    carrier=BUCKET_REDUCE,
+)
+RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE, UNSHARDED_GRADS_REDUCED_TWICE, SINGLE_RANK_GRADS,
+                   SHARDED_GRADS_SUMMED_UNSCALED, UNSHARDED_SHARD_ADDED_TO_ITSELF)
 
 
-def defects_of(fixes: Mapping[str, str]) -> list[ReleaseDefect]:
+def defects_of(fixes: Mapping[str, str],
+               shapes: Mapping[str, Shape | None] | None = None) -> list[ReleaseDefect]:
     """The release defects a copy has, from the state of each fix (``fixes``: id -> state):
     every one whose fix the copy's code needs, or may need (its shape unknown), whatever the
-    hotfix then did about it."""
+    hotfix then did about it; and, from the copy's ``shapes``, every one no fix repairs whose
+    carrier has it (:func:`carried`: yes or unknown). A carrier absent from ``shapes`` (None:
+    the code was not read) decides nothing."""
     return [defect for defect in RELEASE_DEFECTS
-            if fixes.get(defect.fix, "not needed") != "not needed"]
+            if (carried(defect, shapes or {}) is not False if defect.fix is None else
+                fixes.get(defect.fix, "not needed") != "not needed")]
+
+
+def carried(defect: ReleaseDefect, shapes: Mapping[str, Shape | None]) -> bool | None:
+    """Whether a copy with these shapes has ``defect``, one no fix repairs: True, False, or None
+    where its carrier's shape is unknown (the copy may have it). False where the carrier was not
+    read at all (absent from ``shapes``: a copy refused before its code was read)."""
+    assert defect.carrier is not None, f"{defect.name} has a fix; its fix's state decides"
+    if defect.carrier not in shapes:
+        return False
+    shape = shapes[defect.carrier]
+    return None if shape is None else defect.name in shape.carries

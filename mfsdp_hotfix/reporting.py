@@ -17,13 +17,14 @@ reported ``imported``, with nothing applied.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from . import coverage, detection, incidents, installer, registry, trigger, v2
 from . import settings as settings_module
 from .__about__ import __version__
 from .installer import CopyRecord
-from .registry import Copy
+from .registry import Copy, Shape
 
 HOTFIX_STATES = {
     "off": f"{settings_module.SWITCH}=0 switches every fix off",
@@ -39,7 +40,9 @@ FIX_STATES = {
     installer.WOULD_APPLY: "applied as soon as this copy is imported",
     "not needed": "this copy's code does not have the defect the fix repairs",
     "disabled": f"listed in {settings_module.DISABLED_FIXES}",
-    "failed": "the fix raised inside the hotfix and was switched off; the code runs as shipped",
+    "failed": "the fix raised inside the hotfix (while being installed, or later while "
+              "training) and was switched off for the rest of the process; the code runs as "
+              "shipped",
     "unverified": "this copy's code around the fix is not a shape the hotfix knows: not "
                   "applied, and building a model in a configuration it covers is refused",
     "off": f"{settings_module.SWITCH}=0",
@@ -104,21 +107,32 @@ def _record_dict(record: CopyRecord) -> dict[str, Any]:
     return {**record.detection.as_dict(), "imported": True,
             "fixes": {k: {"state": s, "reason": r} for k, (s, r) in record.fixes.items()},
             "limits": coverage.limits(record.detection, record.fixes),
-            "release_defects": release_defects(record.fixes),
+            "release_defects": release_defects(record.fixes, record.detection.shapes),
             "models_repaired": record.models_repaired}
 
 
-def release_defects(fixes: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
+def release_defects(fixes: dict[str, tuple[str, str]],
+                    shapes: Mapping[str, Shape | None] | None = None) -> list[dict[str, Any]]:
     """The release defects (:data:`registry.RELEASE_DEFECTS`) this copy's code has, each with
-    what its fix's state means for the user: ``repaired`` (applied, or would apply) or not."""
+    what its fix's state means for the user: ``repaired`` (applied, or would apply) or not. A
+    defect no fix repairs (``fix`` None) is never repaired; its ``carrier`` names the function
+    whose shape (from ``shapes``) says the copy has it, or may have it (``shape`` None)."""
     states = {fix_id: state for fix_id, (state, _) in fixes.items()}
-    return [{"name": defect.name, "fix": defect.fix, "fix_state": states[defect.fix],
-             "repaired": states[defect.fix] in ("applied", installer.WOULD_APPLY),
-             "releases": dict(defect.releases), "git_trees": defect.git_trees,
-             "configuration": defect.configuration, "symptom": defect.symptom,
-             "workarounds": list(defect.workarounds), "upstream": defect.upstream,
-             "not_covered": defect.not_covered}
-            for defect in registry.defects_of(states)]
+    found = []
+    for defect in registry.defects_of(states, shapes):
+        fix_state = states[defect.fix] if defect.fix is not None else None
+        carrier = None
+        if defect.carrier is not None:
+            shape = (shapes or {}).get(defect.carrier)
+            carrier = {"function": defect.carrier, "shape": shape.name if shape else None}
+        found.append({
+            "name": defect.name, "fix": defect.fix, "fix_state": fix_state,
+            "repaired": fix_state in PROTECTING, "carrier": carrier,
+            "releases": dict(defect.releases), "git_trees": defect.git_trees,
+            "configuration": defect.configuration, "symptom": defect.symptom,
+            "workarounds": list(defect.workarounds), "upstream": defect.upstream,
+            "not_covered": defect.not_covered})
+    return found
 
 
 def _not_imported(copy: Copy, settings: settings_module.Settings) -> list[dict[str, Any]]:
@@ -140,36 +154,66 @@ def judged_offline(found: detection.Detection, settings: settings_module.Setting
         fixes[fix.id] = {"state": state,
                          "reason": fix.summary if state == installer.WOULD_APPLY else reason}
     return {**found.as_dict(), "imported": imported, "fixes": fixes,
-            "limits": coverage.limits(found, states), "release_defects": release_defects(states),
+            "limits": coverage.limits(found, states, enforced=settings.enabled),
+            "release_defects": release_defects(states, found.shapes),
             "models_repaired": 0}
 
 
 def verdict(data: dict[str, Any], hotfix: str | None) -> dict[str, Any]:
-    """The answer ``status`` is run for, from ``data``'s copies alone (their fix states, refusals
-    and release defects, whatever fixes and defects the registry holds): is a copy affected,
-    and is every affected one protected? ``hotfix``: the process state (:data:`HOTFIX_STATES`),
-    or None for a folder read from disk (protected there means: repaired where the hotfix is
-    loaded). Returns ``{"affected", "protected", "line"}``."""
+    """The answer ``status`` is run for, from ``data``'s copies (their fix states, refusals and
+    release defects, whatever fixes and defects the registry holds) and its ``failures`` (a fix
+    that failed at runtime protects nothing from then on, on every copy; a failed install leaves
+    copies unpatched): is a copy affected, and is every affected one protected? ``hotfix``: the
+    process state (:data:`HOTFIX_STATES`), or None for a folder read from disk (protected there
+    means: repaired where the hotfix is loaded). Returns ``{"affected", "protected", "line"}``."""
+    failures = data.get("failures", {})
     copies = [copy for copy in data["copies"] if _affected(copy)]
     if not copies:
         where = "; ".join(f"{name(copy)} needs none of the fixes" for copy in data["copies"])
         return {"affected": False, "protected": None,
                 "line": f"not affected: {where or 'no Megatron-FSDP copy found'}"}
     head = "affected: " + ", ".join(name(copy) for copy in copies)
-    why, remedies = _unprotected(copies, hotfix)
+    why, remedies = _unprotected(copies, hotfix, failures)
     if not why:
-        fixes = list(dict.fromkeys(fix for copy in copies for fix, state in copy["fixes"].items()
-                                   if state["state"] in PROTECTING))
+        fixes = list(dict.fromkeys(fix for copy in copies
+                                   for fix, (state, _) in fix_states(copy, failures).items()
+                                   if state in PROTECTING))
         how = ("repaired where the hotfix is loaded: it applies " if hotfix is None else
                f"protected: the hotfix is {hotfix} and applies ")
-        return {"affected": True, "protected": True, "line": f"{head} — {how}{', '.join(fixes)}"}
+        return {"affected": True, "protected": True,
+                "line": f"{head} — {how}{', '.join(fixes) or 'none'}{_refused_line(copies)}"}
     return {"affected": True, "protected": False,
             "line": f"{head} — NOT protected: {why}; {'; '.join(remedies)}"}
 
 
+def fix_states(copy: dict[str, Any], failures: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """Each fix's (state, reason) on ``copy``, where a fix that failed in this process
+    (``failures``, from :func:`incidents.failures`) is ``failed``, with where and why: the
+    fixes switch themselves off process-wide when they fail."""
+    states = {}
+    for fix, state in copy["fixes"].items():
+        failed = fix in failures and state["state"] in (*PROTECTING, "failed")
+        states[fix] = ("failed", failures[fix]) if failed else (state["state"], state["reason"])
+    return states
+
+
 def _affected(copy: dict[str, Any]) -> bool:
     return bool(copy["refused"] or copy.get("release_defects") or any(
-        state["state"] != "not needed" for state in copy["fixes"].values()))
+        state["state"] != "not needed" for state in copy["fixes"].values())
+        or any(not limit["covered"] for limit in copy.get("limits", [])))
+
+
+def _refused_line(copies: list[dict[str, Any]]) -> str:
+    """The configurations no fix makes right, refused when a model is built (:mod:`.coverage`),
+    each with its workaround; '' where there is none."""
+    refused: dict[str, dict[str, None]] = {}
+    for copy in copies:
+        for limit in copy.get("limits", []):
+            if limit.get("refused_at_model_construction"):
+                refused.setdefault(limit["workaround"], {})[limit["configuration"]] = None
+    return "".join(f"; refuses {', '.join(configurations)} at model construction (no fix "
+                   f"makes it right): use {workaround}"
+                   for workaround, configurations in refused.items())
 
 
 def name(copy: dict[str, Any]) -> str:
@@ -181,21 +225,21 @@ def name(copy: dict[str, Any]) -> str:
     return f"{copy['copy']} (no version metadata, {what})"
 
 
-def _unprotected(copies: list[dict[str, Any]], hotfix: str | None) -> tuple[str, list[str]]:
+def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
+                 failures: Mapping[str, str]) -> tuple[str, list[str]]:
     """Why the affected ``copies`` are not protected ('' when they are), and what to use
     instead: fsdp_double_buffer=False for a refused copy or a double-buffer fix that does not
-    protect, and the first workaround of each release defect left unrepaired."""
+    protect, and the first workaround of each release defect left unrepaired. A refused copy is
+    told with the fixes it keeps and those left as shipped."""
     reasons: list[str] = []
     remedies: list[str] = []
     for copy in copies:
         defects = copy.get("release_defects", [])
         named = f"{name(copy)}: " if len(copies) > 1 else ""
-        if copy["refused"]:
-            reasons.append(f"{named}left as shipped ({copy['reason']})")
-            remedies.append(f"use {DOUBLE_BUFFER_OFF}")
-        gaps = {fix: state["state"] for fix, state in copy["fixes"].items()
-                if state["state"] != "not needed"
-                and (hotfix in UNPROTECTING or state["state"] not in PROTECTING)}
+        states = fix_states(copy, failures)
+        gaps = {fix: state for fix, (state, _) in states.items()
+                if state != "not needed"
+                and (hotfix in UNPROTECTING or state not in PROTECTING)}
         by_state: dict[str, list[str]] = {}
         for fix, state in gaps.items():
             by_state.setdefault(state, []).append(fix)
@@ -203,11 +247,45 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None) -> tuple[str,
                 remedies.append(f"use {DOUBLE_BUFFER_OFF}")
         remedies += [f"for {defect['name']} use {defect['workarounds'][0]}" for defect in defects
                      if defect["fix"] in gaps or not defect["repaired"]]
-        if by_state and hotfix not in UNPROTECTING:
-            reasons.append(named + "; ".join(
-                f"{', '.join(fixes)} {state}" for state, fixes in by_state.items()))
+        told: list[str] = []
+        if copy["refused"]:
+            remedies.append(f"use {DOUBLE_BUFFER_OFF}")
+            refused = by_state.pop(installer.REFUSED, [])
+            told.append((f"{', '.join(refused)} " if refused else "")
+                        + f"left as shipped ({copy['reason']})")
+            kept = [fix for fix, (state, _) in states.items() if state in PROTECTING]
+            if kept and hotfix not in UNPROTECTING:
+                told.append(f"the hotfix still applies {', '.join(kept)}")
+        if hotfix not in UNPROTECTING:
+            for state, fixes in by_state.items():
+                told += ([f"{fix} failed ({states[fix][1]})" for fix in fixes]
+                         if state == "failed" else [f"{', '.join(fixes)} {state}"])
+        told += [_unrepaired(defect, copy) for defect in defects if defect["fix"] is None]
+        if told:
+            reasons.append(named + "; ".join(told))
+    if installer.INSTALL_FAILURE in failures:
+        reasons.append(f"installing the hotfix failed ({failures[installer.INSTALL_FAILURE]})")
+        remedies.append(f"use {DOUBLE_BUFFER_OFF}")
     if hotfix in UNPROTECTING and any(remedies):
         reasons.insert(0, UNPROTECTING[hotfix])
     # each once, the one that covers most first
     remedies = sorted(dict.fromkeys(remedies), key=lambda r: r != f"use {DOUBLE_BUFFER_OFF}")
     return "; ".join(reasons), remedies
+
+
+def remedies(copy: dict[str, Any], hotfix: str | None) -> list[str]:
+    """What to use instead for what ``copy`` leaves unprotected: the verdict's advice for it."""
+    return _unprotected([copy], hotfix, {})[1]
+
+
+def _unrepaired(defect: dict[str, Any], copy: dict[str, Any]) -> str:
+    """A release defect no fix repairs, in the verdict's words, with the configurations it hits
+    (its entry in the copy's ``limits``)."""
+    carrier = defect["carrier"]
+    hits = next((f" (it hits {limit['configuration']})" for limit in copy.get("limits", [])
+                 if limit.get("defect") == defect["name"]), "")
+    if carrier["shape"] is None:
+        return (f"{defect['name']} not ruled out ({registry.short_name(carrier['function'])} "
+                f"has a code shape the hotfix does not know) and not repaired by the "
+                f"hotfix{hits}")
+    return f"{defect['name']} is not repaired by the hotfix{hits}"

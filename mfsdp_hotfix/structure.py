@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import textwrap
+from collections import Counter
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -18,9 +19,9 @@ from typing import Any
 
 def drains_before_fetching(source: str) -> bool:
     """Whether the function's body calls ``<anything>._enforce_double_buffer_limit(...)`` as a
-    statement of its own, unconditionally, before any statement that calls ``fetch_bucket``
-    (and a ``fetch_bucket`` call follows): the getter makes room in the pool before it takes a
-    bucket, whatever attribute path reaches the pipeline."""
+    statement of its own, unconditionally, before any statement that names ``fetch_bucket``
+    (calls it, or takes it to call later; and such a statement follows): the getter makes room
+    in the pool before it takes a bucket, whatever attribute path reaches the pipeline."""
     try:
         tree = ast.parse(textwrap.dedent(source))
     except SyntaxError:
@@ -30,7 +31,7 @@ def drains_before_fetching(source: str) -> bool:
         return False
     drained = False
     for statement in function.body:
-        if "fetch_bucket" in _called_attributes(statement):
+        if "fetch_bucket" in _names_in(statement):
             return drained
         if (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)
                 and _attribute(statement.value.func) == "_enforce_double_buffer_limit"):
@@ -64,7 +65,8 @@ def configured_pool_size(source: str, on_rs_stream: bool = True) -> str | None:
     ``<...>.wait_for_previous_grad_reduce(keep_n)`` under ``torch.cuda.stream(<...>.rs_stream)``
     (``on_rs_stream`` False: the same call on its own, on the caller's stream, as the change
     proposed upstream makes it). N is an attribute path through a ``*config`` object, directly
-    or through one local name assigned from it: the release drains' constant 2 made the
+    or through one local name assigned from it and bound nowhere else; ``keep_n`` is bound
+    only where it starts and where it is counted down: the release drains' constant 2 made the
     configured pool size, whatever the config option is called. Not checked: which unit each
     ``add`` adds (the release's ``param_groups[bucket_id].fsdp_unit_id``) and the incoming
     loop's filter (units of ``double_buf_units``); the N-slot rule also relies on the pool
@@ -73,9 +75,11 @@ def configured_pool_size(source: str, on_rs_stream: bool = True) -> str | None:
     function = _only_function(source)
     if function is None or not function.body:
         return None
+    bound = _binding_counts(function)
     aliases = {target.id: statement.value for statement in function.body
                if isinstance(statement, ast.Assign) and len(statement.targets) == 1
-               and isinstance(target := statement.targets[0], ast.Name)}
+               and isinstance(target := statement.targets[0], ast.Name)
+               and bound[target.id] == 1}
     asserted = next((node.test for node in ast.walk(function) if isinstance(node, ast.Assert)
                      and _len_bound(node.test, ast.LtE) is not None), None)
     if asserted is None:
@@ -102,7 +106,15 @@ def configured_pool_size(source: str, on_rs_stream: bool = True) -> str | None:
                       and len(node.value.args) == 1
                       and _attribute(node.value.args[0]) == "grad_reduce_queue"
                       for node in function.body)
-    return limit if counted and starts_full else None
+    # keep_n is bound twice: where it starts full and where it is counted down
+    return limit if counted and starts_full and bound["keep_n"] == 2 else None
+
+
+def _binding_counts(function: ast.FunctionDef) -> Counter[str]:
+    """How many times each name is bound anywhere in ``function`` (targets and arguments)."""
+    return Counter([node.id for node in ast.walk(function) if isinstance(node, ast.Name)
+                    and not isinstance(node.ctx, ast.Load)]
+                   + [node.arg for node in ast.walk(function) if isinstance(node, ast.arg)])
 
 
 def drains_to_configured_pool_size(source: str) -> bool:
@@ -229,11 +241,6 @@ def _name(node: ast.expr) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def _called_attributes(node: ast.AST) -> set[str]:
-    return {name for call in ast.walk(node) if isinstance(call, ast.Call)
-            if (name := _attribute(call.func)) is not None}
-
-
 def _attribute(node: ast.expr) -> str | None:
     return node.attr if isinstance(node, ast.Attribute) else None
 
@@ -241,25 +248,39 @@ def _attribute(node: ast.expr) -> str | None:
 def always_overwrites_main_grad(source: str) -> bool:
     """Whether the function assigns ``<anything>.overwrite_main_grad`` and every such assignment
     is the constant ``True``: fused wgrad overwrites ``main_grad`` whatever the strategy (the
-    releases before NVIDIA/Megatron-LM#6357)."""
-    values = _overwrite_main_grad_values(source)
-    return bool(values) and all(_is_true(value) for value in values)
+    releases before NVIDIA/Megatron-LM#6357). A write it cannot read (:func:`_overwrite_stores`)
+    is not recognised."""
+    function = _only_function(source)
+    stores = _overwrite_stores(function) if function is not None else None
+    return bool(stores) and all(_is_true(value) for _, value in stores or ())
 
 
 def decides_overwrite_main_grad(source: str) -> bool:
     """Whether the function assigns ``<anything>.overwrite_main_grad`` and every such value,
-    evaluated for each sharding strategy (:func:`_evaluate`), is True exactly where gradients are
-    sharded (optim_grads, optim_grads_params), as NVIDIA/Megatron-LM#6357 decides. A value that
-    cannot be evaluated from the strategy alone, or that yields anything else (``strategy !=
-    "no_shard"`` is True for ZeRO-1), is not recognised."""
-    values = _overwrite_main_grad_values(source)
-    if not values:
+    evaluated for each sharding strategy (:func:`_evaluate`, with the names decided where it is
+    assigned, :meth:`_Function.environment`) wherever its assignment may run, is True exactly
+    where gradients are sharded (optim_grads, optim_grads_params), as NVIDIA/Megatron-LM#6357
+    decides. A value or a condition on the way to it that cannot be evaluated from the strategy
+    alone (a call, ``getattr`` of an attribute the model does not hold, a name bound in a
+    branch), a write in another form (``setattr``, unpacking), a write of the state the decision
+    reads, or a value that yields anything else (``strategy != "no_shard"`` is True for ZeRO-1)
+    is not recognised."""
+    function = _only_function(source)
+    stores = _overwrite_stores(function) if function is not None else None
+    if function is None or not stores:
+        return False
+    reader = _Function(function)
+    if reader.writes_model_state():
         return False
     for strategy in STRATEGIES:
         model = _model(strategy)
-        for value in values:
+        for statement, value in stores:
+            reached = reader.reached(statement, model)
+            scope = reader.scope(statement)
             try:
-                if _evaluate(value, {"self": model}) is not (strategy in SHARDED_GRADIENTS):
+                if reached is None or (reached and _evaluate(
+                        value, reader.environment(scope, statement, model))
+                        is not (strategy in SHARDED_GRADIENTS)):
                     return False
             except _Unknown:
                 return False
@@ -283,9 +304,10 @@ def reduces_every_buffer(source: str) -> bool:
     """Whether ``ParamAndGradBuffer.reduce_scatter_gradients`` / ``all_reduce_gradients`` loops
     over ``<...>.parameter_groups``, takes ``gbuf = <group>.main_grad_buffer``, skips a group
     only ``if gbuf is None``, and then calls ``<...>.reduce_scatter_tensor`` or
-    ``<...>.all_reduce``: the synchronous reduction ``finish_grad_sync`` runs without
-    ``overlap_grad_reduce`` reduces every gradient buffer (megatron-fsdp 0.5.0 / megatron-core
-    0.18.0 on; reduce-scatter from 0.3.0 / 0.16.0)."""
+    ``<...>.all_reduce`` unconditionally: the synchronous reduction ``finish_grad_sync`` runs
+    without ``overlap_grad_reduce`` reduces every gradient buffer (megatron-fsdp 0.5.0 /
+    megatron-core 0.18.0 on; reduce-scatter from 0.3.0 / 0.16.0). A collective anywhere else in
+    the function is not recognised (:func:`_buffer_guard`)."""
     return _buffer_guard(source) == "is None"
 
 
@@ -296,68 +318,147 @@ def skips_every_buffer(source: str) -> bool:
     return _buffer_guard(source) == "is not None"
 
 
+# What the synchronous reductions call to reduce, and what a function may call instead.
+_COLLECTIVES = frozenset({"reduce_scatter_tensor", "all_reduce", "reduce_scatter",
+                          "_reduce_scatter_base", "all_reduce_coalesced",
+                          "reduce_scatter_tensor_coalesced"})
+
+
 def _buffer_guard(source: str) -> str | None:
+    """``"is None"`` or ``"is not None"``: the one guard of every loop over the parameter groups
+    that reduces; None where a loop's guard is another, a collective comes before it or only
+    conditionally after it, or a collective is named outside such a loop."""
     function = _only_function(source)
     if function is None:
         return None
-    guards = set()
-    for loop in ast.walk(function):
-        if not (isinstance(loop, ast.For) and _attribute(loop.iter) == "parameter_groups"):
-            continue
-        taken = {_names(node.targets)[0] for node in loop.body if isinstance(node, ast.Assign)
-                 and len(node.targets) == 1 and _attribute(node.value) == "main_grad_buffer"}
-        reduces = _called_attributes(loop) & {"reduce_scatter_tensor", "all_reduce"}
-        for node in loop.body:
-            if (isinstance(node, ast.If) and len(node.body) == 1
-                    and isinstance(node.body[0], ast.Continue) and not node.orelse
-                    and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
-                    and _name(node.test.left) in taken and reduces
-                    and isinstance(node.test.comparators[0], ast.Constant)
-                    and node.test.comparators[0].value is None):
-                if isinstance(node.test.ops[0], ast.Is):
-                    guards.add("is None")
-                elif isinstance(node.test.ops[0], ast.IsNot):
-                    guards.add("is not None")
+    loops = [node for node in ast.walk(function) if isinstance(node, ast.For)
+             and _attribute(node.iter) == "parameter_groups" and _names_in(node) & _COLLECTIVES]
+    inside = {id(node) for loop in loops for node in ast.walk(loop)}
+    if any(_name_of(node) in _COLLECTIVES for node in ast.walk(function)
+           if id(node) not in inside):
+        return None
+    guards = {_loop_guard(loop) for loop in loops}
     return guards.pop() if len(guards) == 1 else None
+
+
+def _loop_guard(loop: ast.For) -> str | None:
+    """The guard of one loop over the parameter groups: ``gbuf = <group>.main_grad_buffer``
+    (gbuf bound nowhere else in the loop), then ``if gbuf is [not] None: continue`` with no
+    collective before it; ``"is None"`` also needs a collective called as a statement of the
+    loop's own after it, with nothing before that call that leaves the iteration."""
+    for position, node in enumerate(loop.body):
+        if not (isinstance(node, ast.If) and len(node.body) == 1
+                and isinstance(node.body[0], ast.Continue) and not node.orelse
+                and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
+                and isinstance(node.test.comparators[0], ast.Constant)
+                and node.test.comparators[0].value is None):
+            continue
+        name = _name(node.test.left)
+        bound = [target for statement in loop.body for target in ast.walk(statement)
+                 if isinstance(target, ast.Name) and target.id == name
+                 and not isinstance(target.ctx, ast.Load)]
+        taken = [statement for statement in loop.body[:position]
+                 if isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                 and statement.targets[0] in bound
+                 and _attribute(statement.value) == "main_grad_buffer"]
+        if (len(bound) != 1 or len(taken) != 1
+                or any(_names_in(before) & _COLLECTIVES for before in loop.body[:position])):
+            return None
+        if isinstance(node.test.ops[0], ast.IsNot):
+            return "is not None"
+        if not isinstance(node.test.ops[0], ast.Is):
+            return None
+        for after in loop.body[position + 1:]:
+            value = after.value if isinstance(after, (ast.Expr, ast.Assign)) else None
+            if isinstance(value, ast.Call) and _attribute(value.func) in _COLLECTIVES:
+                return "is None"
+            if any(isinstance(leaves, (ast.Continue, ast.Break, ast.Return, ast.Raise))
+                   for leaves in ast.walk(after)):
+                return None
+        return None
+    return None
+
+
+def _name_of(node: ast.AST) -> str | None:
+    """An attribute's name, or a string constant: what a node may call or look up."""
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return None
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    """Every attribute name and string constant in ``node`` (:func:`_name_of`)."""
+    return {name for inner in ast.walk(node) if (name := _name_of(inner)) is not None}
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
 REDUCES_ONCE, REDUCES_ALWAYS = "once", "always"
+# The hooks' reductions the verdict is made of; any other reduction named in the hooks (a
+# synchronous one, a collective) leaves them unrecognised.
+_HOOK_REDUCTIONS = frozenset({"reduce_gradients", "finish_grad_sync"})
+_OTHER_REDUCTIONS = _COLLECTIVES | {"start_grad_sync", "synchronize_gradient_reduce",
+                                    "reduce_scatter_gradients", "all_reduce_gradients"}
 
 
 def hook_reduction(source: str) -> str | None:
-    """When the backward hooks of ``_register_fsdp_hooks`` reduce gradients: every ``if`` whose
-    body calls ``<...>.reduce_gradients(...)`` is evaluated (:func:`_evaluate`, with the names
-    its enclosing function assigned before it) for each strategy, ``overlap_grad_reduce``,
-    ``is_last_microbatch`` and ``model_auto_sync``. :data:`REDUCES_ONCE`: each reduces with
-    sharded gradients, else only with overlap on the last microbatch or auto-sync
-    (NVIDIA/Megatron-LM#6357). :data:`REDUCES_ALWAYS`: each reduces with sharded gradients, on
-    the last microbatch or with auto-sync (every release). None: anything else, or no such
-    ``if``."""
+    """When the backward hooks of ``_register_fsdp_hooks`` reduce gradients, judged over the
+    whole function: every call of ``<...>.reduce_gradients(...)`` and
+    ``<...>.finish_grad_sync(...)``, in every branch and after it, is followed up to its hook
+    through every condition on its way (:meth:`_Function.reached`, :func:`_evaluate` with the
+    names decided there) for each strategy, ``overlap_grad_reduce``, ``is_last_microbatch`` and
+    ``model_auto_sync``, and counted per hook. :data:`REDUCES_ONCE`: each hook that reduces
+    calls ``reduce_gradients`` once with sharded gradients, else only with overlap on the last
+    microbatch or auto-sync, and never otherwise (NVIDIA/Megatron-LM#6357);
+    :data:`REDUCES_ALWAYS`: once with sharded gradients, on the last microbatch or with
+    auto-sync (every release); either way ``finish_grad_sync`` once exactly with auto-sync.
+    None: anything else, a condition it cannot decide, a reduction named any other way (passed
+    on, looked up by name, another collective, called outside a hook), a write of the state the
+    conditions read, or no ``reduce_gradients`` call."""
     function = _only_function(source)
     if function is None:
         return None
-    tables = []
-    for scope in ast.walk(function):
-        if not isinstance(scope, ast.FunctionDef) or scope is function:
-            continue
-        for statement in ast.walk(scope):
-            if isinstance(statement, ast.If) and any(
-                    _attribute(call.func) == "reduce_gradients"
-                    for body_statement in statement.body for call in ast.walk(body_statement)
-                    if isinstance(call, ast.Call)):
-                tables.append(_reduction_table(scope, statement))
-    if not tables or None in tables:
+    reader = _Function(function)
+    if reader.writes_model_state():
         return None
-    for name, wanted in ((REDUCES_ONCE, True), (REDUCES_ALWAYS, False)):
-        expected = {case: sharded or ((overlap or not wanted) and (last or auto))
-                    for case in _reduction_cases()
-                    for sharded, overlap, last, auto in [(case[0] in SHARDED_GRADIENTS,
-                                                          *case[1:])]}
-        if all(table == expected for table in tables):
+    calls: dict[tuple[ast.AST, str], list[ast.Call]] = {}
+    for node in ast.walk(function):
+        if _name_of(node) not in _HOOK_REDUCTIONS | _OTHER_REDUCTIONS:
+            continue
+        call, scope = reader.parents.get(node), reader.scope(node)
+        if not (isinstance(node, ast.Attribute) and node.attr in _HOOK_REDUCTIONS
+                and isinstance(call, ast.Call) and call.func is node
+                and isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and scope is not function):
+            return None
+        calls.setdefault((scope, node.attr), []).append(call)
+    if not any(name == "reduce_gradients" for _, name in calls):
+        return None
+    counts: dict[tuple[ast.AST, str], dict[tuple[str, bool, bool, bool], int]] = {}
+    for key, group in calls.items():
+        counts[key] = {}
+        for case in _reduction_cases():
+            reached = [reader.reached(call, _model(*case)) for call in group]
+            if None in reached:
+                return None
+            counts[key][case] = sum(map(bool, reached))
+    for name, with_overlap_only in ((REDUCES_ONCE, True), (REDUCES_ALWAYS, False)):
+        if all(count == _expected(reduction, case, with_overlap_only)
+               for (_, reduction), table in counts.items() for case, count in table.items()):
             return name
     return None
+
+
+def _expected(reduction: str, case: tuple[str, bool, bool, bool], with_overlap_only: bool
+              ) -> int:
+    """How many times one hook calls ``reduction`` in ``case`` (see :func:`hook_reduction`)."""
+    strategy, overlap, last, auto = case
+    if reduction == "finish_grad_sync":
+        return int(auto)
+    return int(strategy in SHARDED_GRADIENTS
+               or ((overlap or not with_overlap_only) and (last or auto)))
 
 
 def _reduction_cases() -> list[tuple[str, bool, bool, bool]]:
@@ -365,36 +466,196 @@ def _reduction_cases() -> list[tuple[str, bool, bool, bool]]:
             for overlap in (False, True) for last in (False, True) for auto in (False, True)]
 
 
-def _reduction_table(scope: ast.FunctionDef, branch: ast.If
-                     ) -> dict[tuple[str, bool, bool, bool], bool] | None:
-    """What ``branch.test`` yields per case, with the names ``scope`` assigned above it."""
-    assignments = [node for node in ast.walk(scope) if isinstance(node, ast.Assign)
-                   and node.lineno < branch.lineno and len(node.targets) == 1
-                   and isinstance(node.targets[0], ast.Name)]
-    assignments.sort(key=lambda node: node.lineno)
-    table = {}
-    for case in _reduction_cases():
-        strategy, overlap, last, auto = case
-        env: dict[str, object] = {"self": _model(strategy, overlap, last, auto)}
-        for node in assignments:
-            try:
-                env[_names(node.targets)[0] or ""] = _evaluate(node.value, env)
-            except _Unknown:
-                continue
-        try:
-            table[case] = bool(_evaluate(branch.test, env))
-        except _Unknown:
-            return None
-    return table
-
-
 def _model(strategy: str, overlap: bool = True, last: bool = False, auto: bool = False
            ) -> SimpleNamespace:
-    """What a MegatronFSDP's decisions read: its strategy, its ddp_config, its sync flags."""
+    """What a MegatronFSDP's decisions read: its strategy, its ddp_config, its sync flags. It
+    holds nothing else: any other attribute, read with or without a default, is undecidable."""
     config = SimpleNamespace(data_parallel_sharding_strategy=strategy,
                              overlap_grad_reduce=overlap)
     return SimpleNamespace(data_parallel_sharding_strategy=strategy, ddp_config=config,
                            is_last_microbatch=last, model_auto_sync=auto)
+
+
+# What the model holds (:func:`_model`): a function that writes one of these decides from state
+# the model does not hold.
+_MODEL_STATE = frozenset({*vars(_model("no_shard")), *vars(_model("no_shard").ddp_config)})
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+
+
+class _Function:
+    """One function's syntax tree read as a whole: each node's parent, scope and statement, what
+    each scope binds, which names are decided at a statement and whether a node may run."""
+
+    def __init__(self, function: ast.FunctionDef) -> None:
+        self.function = function
+        self.parents = {child: parent for parent in ast.walk(function)
+                        for child in ast.iter_child_nodes(parent)}
+        self._cache: dict[tuple[int, int], tuple[list[ast.Assign], set[str], bool]] = {}
+
+    def ancestors(self, node: ast.AST) -> list[ast.AST]:
+        """From ``node``'s parent up to the function."""
+        found = []
+        while node is not self.function:
+            node = self.parents[node]
+            found.append(node)
+        return found
+
+    def scope(self, node: ast.AST) -> ast.AST:
+        return next(up for up in self.ancestors(node) if isinstance(up, _SCOPES))
+
+    def statement(self, node: ast.AST) -> ast.stmt:
+        if isinstance(node, ast.stmt):
+            return node
+        return next(up for up in self.ancestors(node) if isinstance(up, ast.stmt))
+
+    def writes_model_state(self) -> bool:
+        """Whether the function writes an attribute the model holds (:data:`_MODEL_STATE`), or
+        any attribute by a name or a mapping it does not spell (``setattr(x, name, v)``,
+        ``__dict__``, ``vars``)."""
+        for node in ast.walk(self.function):
+            if isinstance(node, ast.Attribute) and (
+                    (not isinstance(node.ctx, ast.Load) and node.attr in _MODEL_STATE)
+                    or node.attr in ("__dict__", "__setattr__")):
+                return True
+            if isinstance(node, ast.Call) and _name(node.func) in ("setattr", "delattr",
+                                                                    "vars"):
+                named = node.args[1] if len(node.args) > 1 else None
+                if not (isinstance(named, ast.Constant) and named.value not in _MODEL_STATE):
+                    return True
+        return False
+
+    def bindings(self, scope: ast.AST) -> dict[str, list[ast.AST]]:
+        """Every node that binds a name in ``scope`` (not in the scopes nested in it): targets,
+        arguments, loop and ``with`` names, imports, nested definitions, ``global``."""
+        found: dict[str, list[ast.AST]] = {}
+        pending = list(ast.iter_child_nodes(scope))
+        while pending:
+            node = pending.pop()
+            names: list[str] = []
+            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                names = [node.id]
+            elif isinstance(node, ast.arg):
+                names = [node.arg]
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, (ast.Global, ast.Nonlocal)):
+                names = list(node.names)
+            elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)):
+                names = [node.name] if node.name else []
+            elif isinstance(node, ast.MatchMapping):
+                names = [node.rest] if node.rest else []
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [(alias.asname or alias.name).split(".")[0] for alias in node.names]
+            for name in names:
+                found.setdefault(name, []).append(node)
+            if not isinstance(node, _SCOPES):
+                pending.extend(ast.iter_child_nodes(node))
+        return found
+
+    def environment(self, scope: ast.AST, point: ast.stmt, model: SimpleNamespace
+                    ) -> dict[str, object]:
+        """The names decided where ``point`` (a statement of ``scope``) runs, with their values
+        for ``model`` (:meth:`_decided_at`), each assignment evaluated in order; one whose
+        value :func:`_evaluate` cannot evaluate leaves its name out."""
+        assignments, decided, self_is_the_model = self._decided_at(scope, point)
+        env: dict[str, object] = {"self": model} if self_is_the_model else {}
+        for node in assignments:
+            name = _names(node.targets)[0] or ""
+            try:
+                if name not in decided:
+                    raise _Unknown(name)
+                env[name] = _evaluate(node.value, env)
+            except _Unknown:
+                env.pop(name, None)
+        return env
+
+    def _decided_at(self, scope: ast.AST, point: ast.stmt
+                    ) -> tuple[list[ast.Assign], set[str], bool]:
+        """Where ``point`` runs: the one-name assignments that run before it on every way to it
+        (in order), the names decided there, and whether ``self`` is the model (the function's
+        first argument, rebound by no scope on the way). A name is decided where its every
+        binding in ``scope`` is one of those assignments or runs only after ``point`` (later,
+        and in no loop around it); a name bound any other way (in a branch, by unpacking, as an
+        argument, in a loop around ``point``, ``nonlocal`` anywhere) is not."""
+        key = (id(scope), id(point))
+        if key in self._cache:
+            return self._cache[key]
+        assignments: list[ast.Assign] = []
+        loops: list[ast.AST] = []
+        child: ast.AST = point
+        while child is not scope:
+            parent = self.parents[child]
+            if isinstance(child, _LOOPS):
+                loops.append(child)
+            for field in ("body", "orelse", "finalbody"):
+                statements = getattr(parent, field, None)
+                if isinstance(statements, list) and child in statements:
+                    assignments += [node for node in statements[:statements.index(child)]
+                                    if isinstance(node, ast.Assign) and len(node.targets) == 1
+                                    and isinstance(node.targets[0], ast.Name)]
+            child = parent
+        targets = {id(node.targets[0]) for node in assignments}
+        nonlocal_names = {name for node in ast.walk(self.function)
+                          if isinstance(node, ast.Nonlocal) for name in node.names}
+
+        def later(node: ast.AST) -> bool:
+            return ((getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+                    > (point.lineno, point.col_offset)
+                    and not any(loop in self.ancestors(node) for loop in loops))
+
+        decided = {name for name, nodes in self.bindings(scope).items()
+                   if name not in nonlocal_names
+                   and all(id(node) in targets or later(node) for node in nodes)}
+        arguments = self.function.args.args
+        first = arguments[0] if arguments and arguments[0].arg == "self" else None
+        scopes = [scope, *(up for up in self.ancestors(scope) if isinstance(up, _SCOPES))]
+        self_is_the_model = (first is not None and "self" not in nonlocal_names
+                             and all(node is first for each in scopes
+                                     for node in self.bindings(each).get("self", [])))
+        found = (sorted(assignments, key=lambda node: node.lineno), decided, self_is_the_model)
+        self._cache[key] = found
+        return found
+
+    def reached(self, node: ast.AST, model: SimpleNamespace) -> bool | None:
+        """Whether ``node`` may run for ``model``: False where a condition on its way up to its
+        scope (an ``if``, ``elif``/``else``, ``while``, conditional expression, ``and``/``or``)
+        is decided against it, None where one is undecidable or ``node`` is part of a
+        condition, True otherwise (a loop may run it, an early return may skip it)."""
+        scope = self.scope(node)
+        verdict: bool | None = True
+        child = node
+        for parent in self.ancestors(node):
+            if parent is scope:
+                break
+            for test, wanted in _guards(parent, child):
+                if test is None:
+                    return None
+                statement = self.statement(parent)
+                try:
+                    value = bool(_evaluate(test, self.environment(scope, statement, model)))
+                except _Unknown:
+                    verdict = None
+                    continue
+                if value is not wanted:
+                    return False
+            child = parent
+        return verdict
+
+
+def _guards(parent: ast.AST, child: ast.AST) -> list[tuple[ast.expr | None, bool]]:
+    """The conditions ``parent`` puts on ``child``: (test, the value it needs); a None test:
+    ``child`` is the condition itself."""
+    if isinstance(parent, (ast.If, ast.While, ast.IfExp)):
+        if child is parent.test:
+            return [(None, True)]
+        in_body = (child is parent.body if isinstance(parent, ast.IfExp)
+                   else child in parent.body)
+        return [(parent.test, in_body)]
+    if isinstance(parent, ast.BoolOp):
+        position = next(i for i, value in enumerate(parent.values) if value is child)
+        return [(value, isinstance(parent.op, ast.And)) for value in parent.values[:position]]
+    return []
 
 
 class _Unknown(Exception):
@@ -403,8 +664,10 @@ class _Unknown(Exception):
 
 def _evaluate(node: ast.expr, env: dict[str, object]) -> object:
     """The value of a decision made of constants, names in ``env``, attributes of the
-    :func:`_model`, ``getattr(x, "name", default)``, comparisons, ``and``/``or``/``not`` and
-    literal lists; anything else (a call, a subscript, an unknown name) raises _Unknown."""
+    :func:`_model`, ``getattr(x, "name"[, default])`` of an attribute the model holds,
+    comparisons, ``and``/``or``/``not`` and literal lists; anything else (a call, a subscript,
+    an unknown name, ``getattr`` of an attribute the model does not hold, whatever its default)
+    raises _Unknown."""
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.Name):
@@ -412,16 +675,11 @@ def _evaluate(node: ast.expr, env: dict[str, object]) -> object:
             raise _Unknown(node.id)
         return env[node.id]
     if isinstance(node, ast.Attribute):
-        owner = _evaluate(node.value, env)
-        if not isinstance(owner, SimpleNamespace) or not hasattr(owner, node.attr):
-            raise _Unknown(node.attr)
-        return getattr(owner, node.attr)
-    if (isinstance(node, ast.Call) and _name(node.func) == "getattr" and len(node.args) == 3
-            and not node.keywords and isinstance(node.args[1], ast.Constant)):
-        owner = _evaluate(node.args[0], env)
-        if not isinstance(owner, SimpleNamespace) or not isinstance(node.args[1].value, str):
-            raise _Unknown("getattr")
-        return getattr(owner, node.args[1].value, _evaluate(node.args[2], env))
+        return _held(_evaluate(node.value, env), node.attr)
+    if (isinstance(node, ast.Call) and _name(node.func) == "getattr" and len(node.args) in (2, 3)
+            and not node.keywords and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)):
+        return _held(_evaluate(node.args[0], env), node.args[1].value)
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         return [_evaluate(element, env) for element in node.elts]
     if isinstance(node, ast.BoolOp):
@@ -441,6 +699,13 @@ def _evaluate(node: ast.expr, env: dict[str, object]) -> object:
     raise _Unknown(type(node).__name__)
 
 
+def _held(owner: object, attribute: str) -> object:
+    """``owner.attribute`` where ``owner`` is (part of) the model and holds it."""
+    if not isinstance(owner, SimpleNamespace) or attribute not in vars(owner):
+        raise _Unknown(attribute)
+    return vars(owner)[attribute]
+
+
 _COMPARISONS: dict[type[ast.cmpop], Callable[[Any, Any], bool]] = {
     ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
     ast.Eq: lambda a, b: bool(a == b), ast.NotEq: lambda a, b: bool(a != b),
@@ -448,13 +713,23 @@ _COMPARISONS: dict[type[ast.cmpop], Callable[[Any, Any], bool]] = {
 }
 
 
-def _overwrite_main_grad_values(source: str) -> list[ast.expr]:
-    function = _only_function(source)
-    if function is None:
-        return []
-    return [node.value for node in ast.walk(function) if isinstance(node, ast.Assign)
-            and any(isinstance(target, ast.Attribute) and target.attr == "overwrite_main_grad"
-                    for target in node.targets)]
+def _overwrite_stores(function: ast.FunctionDef) -> list[tuple[ast.stmt, ast.expr]] | None:
+    """Each write of ``<anything>.overwrite_main_grad`` in the function, nested functions
+    included: (its statement, the value); None where one is written another way (unpacking,
+    ``+=``, ``del``, ``setattr``, by its name as a string), so the values cannot all be read."""
+    stores: list[tuple[ast.stmt, ast.expr]] = []
+    for node in ast.walk(function):
+        if isinstance(node, ast.Constant) and node.value == "overwrite_main_grad":
+            return None
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if (isinstance(target, ast.Attribute) and target.attr == "overwrite_main_grad"
+                        and not isinstance(node, ast.AugAssign) and node.value is not None):
+                    stores.append((node, node.value))
+    written = [node for node in ast.walk(function) if isinstance(node, ast.Attribute)
+               and node.attr == "overwrite_main_grad" and not isinstance(node.ctx, ast.Load)]
+    return stores if len(written) == len(stores) else None
 
 
 def _is_true(node: ast.expr) -> bool:

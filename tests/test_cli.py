@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_python
+from conftest import REFUSES_HSDP, run_python
 
 from mfsdp_hotfix import bootstrap, reporting
 
@@ -53,10 +56,14 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
-        "reduce-once": "would apply"}
+        "reduce-once": "would apply", "single-rank-reduce": "would apply"}
     assert [(x["fix"], x["covered"]) for x in copy["limits"]] == [
         ("getter-guard", True), ("ordered-drain", True), ("zero1-accumulate", True),
-        ("reduce-once", True)]
+        ("reduce-once", False), ("reduce-once", False), ("reduce-once", True),
+        ("reduce-once", True), ("single-rank-reduce", True)]
+    assert [x["configuration"] for x in copy["limits"] if not x["covered"]] == [
+        "HSDP with ZeRO-1 (optim) and overlap_grad_reduce=False",
+        "HSDP with no_shard and overlap_grad_reduce=False"]
 
 
 def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
@@ -70,7 +77,41 @@ def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
         "wgrad accumulation": True,
         "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True": True,
         "ZeRO-3 (optim_grads_params) with fsdp_double_buffer=True": True,
-        "ZeRO-1 (optim)": True}
+        "ZeRO-1 (optim)": True,
+        "ZeRO-2/3 (optim_grads, optim_grads_params) with a gradient buffer whose data-parallel "
+        "group has one rank (data-parallel size 1; experts with expert-parallel size equal to "
+        "the data-parallel size)": True,
+        # the release defect no fix repairs (docs/OLDEST_RELEASES.md)
+        "ZeRO-2/3 (optim_grads, optim_grads_params) over 2 or more data-parallel ranks with the "
+        "gradients scaled before a SUM reduction (gradient_reduce_div_fusion=False or a bf16 "
+        "gradient buffer, without calculate_per_token_loss or average_in_collective)": False}
+
+
+def test_a_release_defect_no_fix_repairs_fails_the_check(fsdp_release) -> None:
+    """megatron-fsdp 0.2.3 scales the local shard instead of the bucket it reduces: the hotfix
+    loaded in every process does not make it protected, and --check agrees with the line."""
+    code, data = status(Path(ARMED), fsdp_release("0.2.3"))
+    line = data["verdict"]["line"]
+    assert code == 1 and data["verdict"]["protected"] is False, line
+    assert line.startswith("affected: megatron-fsdp 0.2.3 (era A) — NOT protected: "
+                           "sharded-grads-summed-unscaled is not repaired by the hotfix (it "
+                           "hits ZeRO-2/3 (optim_grads, optim_grads_params) over 2 or more "
+                           "data-parallel ranks"), line
+    assert line.endswith("; for sharded-grads-summed-unscaled use calculate_per_token_loss=True "
+                         "(the release scales nothing; the loss carries the normalisation)")
+    (defect,) = [d for d in data["copies"][0]["release_defects"] if d["fix"] is None]
+    assert defect["name"] == "sharded-grads-summed-unscaled" and not defect["repaired"]
+    assert defect["carrier"] == {"function": "GradReducePipeline._bucket_group_gradient_reduce",
+                                 "shape": "0.14"}
+    assert any("release defect sharded-grads-summed-unscaled not repaired" in problem
+               for problem in data["unfixed"])
+    proc = run_python("", ARMED, fsdp_release("0.2.3"), args=("-m", "mfsdp_hotfix", "status"))
+    assert proc.stdout.splitlines()[1] == (
+        "- megatron-fsdp 0.2.3 (era A): getter-guard, ordered-drain, missed-post-backward, "
+        "zero1-accumulate would apply; sharded-grads-summed-unscaled NOT repaired; for "
+        "sharded-grads-summed-unscaled use calculate_per_token_loss=True (the release scales "
+        "nothing; the loss carries the normalisation); at "
+        f"{fsdp_release('0.2.3') / 'megatron_fsdp'}"), proc.stdout
 
 
 def test_switched_off_install_fails_the_check(fsdp_release) -> None:
@@ -86,7 +127,7 @@ def test_switched_off_says_off_everywhere(fsdp_release) -> None:
     assert {k: fix["state"] for k, fix in data["copies"][0]["fixes"].items()} == {
         "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed",
         "zero1-accumulate": "off",
-        "reduce-once": "off"}
+        "reduce-once": "off", "single-rank-reduce": "off"}
     for verbose in ((), ("--verbose",)):
         proc = run_python("", fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"},
                           args=("-m", "mfsdp_hotfix", "status", *verbose))
@@ -106,10 +147,16 @@ def test_switched_off_leaves_unfixed_only_what_the_copy_needs(fsdp_release, vers
     code, data = status(fsdp_release(version), env={"MFSDP_HOTFIX": "0"})
     (copy,) = data["copies"]
     # and the fixes of the release defects this copy has (zero1-accumulate from megatron-fsdp
-    # 0.2.0, reduce-once from 0.3.0: docs/RELEASE_DEFECTS.md)
-    outside = ["zero1-accumulate", "reduce-once"] if version != "0.1.0" else []
-    assert code == 1 and [x["fix"] for x in copy["limits"]] == needed + outside
-    assert [line.rsplit(": ", 1)[1].split()[0] for line in data["unfixed"]] == needed + outside
+    # 0.2.0, reduce-once from 0.3.0, single-rank-reduce in all: docs/RELEASE_DEFECTS.md)
+    outside = (["zero1-accumulate", "reduce-once"] if version != "0.1.0" else []) + [
+        "single-rank-reduce"]
+    # and 0.1.0's defect that no fix repairs (docs/OLDEST_RELEASES.md)
+    unrepaired = ["sharded-grads-summed-unscaled"] if version == "0.1.0" else []
+    assert code == 1 and list(dict.fromkeys(x["fix"] or x["defect"] for x in copy["limits"])) == (
+        needed + outside + unrepaired)
+    fixes = [line for line in data["unfixed"] if ": release defect " not in line]
+    assert [line.rsplit(": ", 1)[1].split()[0] for line in fixes] == needed + outside
+    assert len(data["unfixed"]) == len(fixes) + len(unrepaired)
     if version == "0.6.1":
         assert ">=" not in json.dumps(copy["limits"]), copy["limits"]
 
@@ -167,7 +214,7 @@ def test_the_api_answers_for_this_process(fsdp_release) -> None:
     assert json.loads(proc.stdout.splitlines()[-1]) == {
         "affected": True, "protected": True,
         "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active and "
-                "applies ordered-drain, zero1-accumulate, reduce-once"}
+                "applies ordered-drain, zero1-accumulate, reduce-once" + REFUSES_HSDP}
 
 
 def test_disabled_fix_fails_the_check(fsdp_release) -> None:
@@ -190,9 +237,10 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
     fixes = {fix: state["state"] for fix, state in data["copies"][0]["fixes"].items()}
     assert fixes == {"getter-guard": "refused", "ordered-drain": "refused",
                      "missed-post-backward": "not needed", "zero1-accumulate": "would apply",
-                     "reduce-once": "would apply"}
+                     "reduce-once": "would apply", "single-rank-reduce": "would apply"}
     assert [d["name"] for d in data["copies"][0]["release_defects"]] == [
-        "zero1-fused-wgrad-overwrite", "unsharded-grads-reduced-twice"]
+        "zero1-fused-wgrad-overwrite", "unsharded-grads-reduced-twice",
+        "single-rank-grads-reduced-every-microbatch"]
     assert status(root, check=False)[0] == 0
 
 
@@ -214,7 +262,9 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
         return
     assert lines[:2] == [
         "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed and applies "
-        "getter-guard, ordered-drain, zero1-accumulate, reduce-once",
+        "getter-guard, ordered-drain, zero1-accumulate, reduce-once; refuses HSDP with ZeRO-1 "
+        "(optim) and overlap_grad_reduce=False at model construction (no fix makes it right): "
+        "use overlap_grad_reduce=True (the default)",
         "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate, "
         f"reduce-once would apply; at {fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
     assert lines[2].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
@@ -376,3 +426,78 @@ def test_one_table_lists_every_exit_status_of_every_command() -> None:
     assert documented["any"] >= {cli.USAGE_ERROR, cli.BROKEN_PIPE}
     for command, statuses in code.items():
         assert documented[command] >= statuses | {cli.USAGE_ERROR}, command
+
+
+@pytest.fixture
+def refused_023(fsdp_release, tmp_path: Path) -> Path:
+    """megatron-fsdp 0.2.3 whose drain keeps 3 units live: refused for that, while the fixes
+    of its model module (missed-post-backward, zero1-accumulate) rest on none of it and still
+    apply, and its bucket reduction still scales the local shard."""
+    root = tmp_path / "site"
+    shutil.copytree(fsdp_release("0.2.3"), root)
+    path = root / "megatron_fsdp" / "param_and_grad_buffer.py"
+    text = path.read_text()
+    old = "            if len(double_buf_units) > 2:\n                keep_n -= 1"
+    assert text.count(old) == 1
+    path.write_text(text.replace(old, old.replace("> 2", "> 3")))
+    return root
+
+
+def test_a_refused_copy_is_told_what_still_applies_what_is_left_and_each_workaround(
+        refused_023: Path) -> None:
+    code, data = status(Path(ARMED), refused_023)
+    (copy,) = data["copies"]
+    assert copy["refused"] and {k: v["state"] for k, v in copy["fixes"].items()} == {
+        "getter-guard": "refused", "ordered-drain": "refused",
+        "missed-post-backward": "would apply", "zero1-accumulate": "would apply",
+        "reduce-once": "not needed", "single-rank-reduce": "would apply"}
+    line = data["verdict"]["line"]
+    assert code == 1 and line.startswith(
+        "affected: megatron-fsdp 0.2.3 (not recognised) — NOT protected: getter-guard, "
+        "ordered-drain left as shipped (unrecognised code shape in _enforce_double_buffer_limit "
+        "(fingerprint "), line
+    assert ("; the hotfix still applies missed-post-backward, zero1-accumulate; "
+            "sharded-grads-summed-unscaled is not repaired by the hotfix (it hits ZeRO-2/3") in line
+    assert line.endswith("; use fsdp_double_buffer=False; for sharded-grads-summed-unscaled use "
+                         "calculate_per_token_loss=True (the release scales nothing; the loss "
+                         "carries the normalisation)"), line
+    proc = run_python("", ARMED, refused_023, args=("-m", "mfsdp_hotfix", "status"))
+    assert proc.stdout.splitlines()[:2] == [line, (
+        "- megatron-fsdp 0.2.3 (not recognised): REFUSED: getter-guard, ordered-drain left as "
+        "shipped; missed-post-backward, zero1-accumulate would apply; "
+        "sharded-grads-summed-unscaled NOT repaired; use fsdp_double_buffer=False; for "
+        "sharded-grads-summed-unscaled use calculate_per_token_loss=True (the release scales "
+        "nothing; the loss carries the normalisation); --verbose: why; at "
+        f"{refused_023 / 'megatron_fsdp'}")], proc.stdout
+
+
+@pytest.mark.parametrize("path", [False, True])
+def test_json_starts_with_the_verdict(fsdp_release, path: bool) -> None:
+    """``status --json | head`` shows the answer: the verdict is the first key, the rest sorted."""
+    folder = fsdp_release("0.5.1")
+    args = ("--path", str(folder)) if path else ()
+    proc = run_python("", folder, args=("-c", NO_TORCH, "status", "--json", *args))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    assert next(iter(data)) == "verdict" and proc.stdout.splitlines()[1] == '  "verdict": {'
+    rest = list(data)[1:]
+    assert rest == sorted(rest) and "verdict" not in rest
+
+
+@pytest.mark.parametrize(("armed", "code"), [(True, 0), (False, 1)])
+def test_a_reader_that_goes_away_leaves_the_check_status(fsdp_release, armed: bool,
+                                                         code: int) -> None:
+    """``status --check --verbose | head -1``: the reader closes the pipe before the output is
+    written; the command stays quiet and exits as --check decided, never 141."""
+    path = [str(ARMED)] if armed else []
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
+    env["PYTHONPATH"] = os.pathsep.join([*path, str(fsdp_release("0.5.1")),
+                                         str(Path(__file__).resolve().parent.parent)])
+    for extra in (("--verbose",), ("--json",)):
+        proc = subprocess.Popen([sys.executable, "-m", "mfsdp_hotfix", "status", "--check",
+                                 *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env)
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # no reader: every write gets EPIPE
+        stderr = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == code and stderr == "", stderr

@@ -199,7 +199,10 @@ def test_unparseable_file_is_refused(tmp_path: Path) -> None:
     ("return p._gbuf.get(self.pipe._enforce_double_buffer_limit([1]), p._gbuf.fetch_bucket())",
      False),
     ("self.pipe._enforce_double_buffer_limit([1])\nreturn None", False),
-], ids=["rocm-146", "upstream-0.19", "after-fetch", "conditional", "same-statement", "no-fetch"])
+    ("fetch = p._gbuf.fetch_bucket\nbucket = fetch()\nself.pipe._enforce_double_buffer_limit([1])"
+     "\nreturn p._gbuf.fetch_bucket()", False),
+], ids=["rocm-146", "upstream-0.19", "after-fetch", "conditional", "same-statement", "no-fetch",
+        "fetched-through-a-name"])
 def test_drains_before_fetching(body: str, drains: bool) -> None:
     source = "    def main_grad_getter(p):\n" + "".join(
         f"        {line}\n" for line in body.splitlines())
@@ -247,3 +250,64 @@ def test_a_fork_of_the_lazy_release_design_needs_no_missed_post_backward(tmp_pat
                                                 "gradients in the hooks always")
     assert not found.needs(registry.MISSED_POST_BACKWARD)
     assert found.needs(registry.REDUCE_ONCE)
+
+
+def _in_range(version: str, span: str) -> bool:
+    first, _, last = span.partition("-")
+    key = [tuple(int(n) for n in v.split(".")) for v in (version, first, last or first)]
+    return key[1] <= key[0] <= key[2]
+
+
+RELEASED = ([("megatron-fsdp", v) for v in releases.MEGATRON_FSDP]
+            + [("megatron-core", v) for v in releases.MEGATRON_CORE if not v.startswith("0.13")])
+
+
+@pytest.mark.parametrize(("dist", "version"), RELEASED)
+def test_every_release_defect_no_fix_repairs_is_found_where_it_shipped(dist: str,
+                                                                      version: str) -> None:
+    """Each defect no fix repairs is found by its carrier's code shape in exactly the releases
+    it names (the carrier's fingerprints are every release's text, recomputed here)."""
+    copy = STANDALONE if dist == "megatron-fsdp" else VENDORED
+    found = _detect(copy, releases.unpacked(dist, version))
+    for qualname in registry.DEFECT_CARRIERS:
+        assert found.matched_by[qualname] == "fingerprint", (qualname, found.fingerprints)
+    unrepaired = [d for d in registry.RELEASE_DEFECTS if d.fix is None]
+    assert unrepaired, "the registry names a release defect no fix repairs"
+    for defect in unrepaired:
+        expected = _in_range(version, defect.releases[dist])
+        assert registry.carried(defect, found.shapes) is expected, (defect.name, found.shapes)
+        assert (defect in registry.defects_of({}, found.shapes)) is expected
+
+
+def test_a_defect_carrier_is_named_after_its_defects() -> None:
+    """A shape's ``carries`` names defects that no fix repairs and that this function carries."""
+    for qualname in registry.DEFECT_CARRIERS:
+        for shape in registry.SHAPES[qualname]:
+            for name in shape.carries:
+                (defect,) = [d for d in registry.RELEASE_DEFECTS if d.name == name]
+                assert defect.fix is None and defect.carrier == qualname
+    for defect in registry.RELEASE_DEFECTS:
+        assert (defect.fix is None) == (defect.carrier is not None), defect.name
+
+
+def test_nvidia_main_scales_the_bucket_it_reduces() -> None:
+    tree = releases.git_tree("main")
+    if tree is None:
+        pytest.skip("no NVIDIA/Megatron-LM clone ($MFSDP_TEST_MEGATRON_LM)")
+    found = _detect(STANDALONE, tree)
+    shape = found.shapes[registry.BUCKET_REDUCE]
+    assert shape is not None and not shape.carries
+    assert registry.defects_of({}, found.shapes) == []
+
+
+def test_an_unknown_bucket_reduction_does_not_rule_the_defect_out(tmp_path: Path) -> None:
+    """A fork's ``_bucket_group_gradient_reduce``: the copy is not refused for it, but the
+    defect no fix repairs is not ruled out either."""
+    root = tmp_path / "site"
+    shutil.copytree(releases.unpacked("megatron-fsdp", "0.4.0"), root)
+    _edit(root, "        reduce_scatter_stream.wait_stream(current_stream)\n",
+          "        reduce_scatter_stream.wait_stream(current_stream)\n        _ = 'a fork'\n")
+    found = _detect(STANDALONE, root)
+    assert not found.refused and found.shapes[registry.BUCKET_REDUCE] is None
+    assert registry.carried(registry.SHARDED_GRADS_SUMMED_UNSCALED, found.shapes) is None
+    assert registry.SHARDED_GRADS_SUMMED_UNSCALED in registry.defects_of({}, found.shapes)

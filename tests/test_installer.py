@@ -53,7 +53,8 @@ def test_import_order(fsdp051: Path, order: str) -> None:
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied",
-                           "reduce-once": "applied"}
+                           "reduce-once": "applied",
+        "single-rank-reduce": "applied"}
     assert data["status"]["loaded_via"] == "import" and data["status"]["hotfix"] == "active"
 
 
@@ -76,12 +77,14 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
-        "reduce-once": "would apply"}
+        "reduce-once": "would apply",
+        "single-rank-reduce": "would apply"}
     assert data["status"]["hotfix"] == "active"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied",
-                           "reduce-once": "applied"}
+                           "reduce-once": "applied",
+        "single-rank-reduce": "applied"}
 
 
 def test_misspelt_variable_warns_once_at_install(fsdp051: Path) -> None:
@@ -98,7 +101,8 @@ def test_era_c_keeps_its_own_getter(fsdp_release) -> None:
     assert fixes(data) == {"getter-guard": "not needed", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied",
-                           "reduce-once": "applied"}
+                           "reduce-once": "applied",
+        "single-rank-reduce": "applied"}
 
 
 def test_both_copies_in_one_process(fsdp051: Path) -> None:
@@ -123,7 +127,8 @@ print("REPORT" + __import__("json").dumps({"status": mfsdp_hotfix.status(),
                                                  "ordered-drain": "applied",
                                                  "missed-post-backward": "not needed",
                                                  "zero1-accumulate": "applied",
-                                                 "reduce-once": "applied"}
+                                                 "reduce-once": "applied",
+        "single-rank-reduce": "applied"}
 
 
 def registry_vendored() -> str:
@@ -189,7 +194,8 @@ def test_disabled_fix_is_reported(fsdp051: Path) -> None:
     assert fixes(data) == {"getter-guard": "disabled", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied",
-                           "reduce-once": "applied"}
+                           "reduce-once": "applied",
+        "single-rank-reduce": "applied"}
 
 
 @pytest.fixture
@@ -214,7 +220,8 @@ def test_refused_copy_warns_once_and_keeps_only_the_fixes_that_rest_on_none_of_i
     assert data["drain"] == "function" and data["init"] == "function"
     assert fixes(data) == {"getter-guard": "refused", "ordered-drain": "refused",
                            "missed-post-backward": "not needed",
-                           "zero1-accumulate": "applied", "reduce-once": "applied"}
+                           "zero1-accumulate": "applied", "reduce-once": "applied",
+        "single-rank-reduce": "applied"}
     (copy,) = data["status"]["copies"]
     assert copy["refused"] is True
     assert [(d["name"], d["repaired"]) for d in copy["release_defects"]] == [
@@ -316,3 +323,54 @@ def test_garbage_in_every_variable_at_once(fsdp051: Path) -> None:
     settings = data["status"]["settings"]
     assert settings["mode"] == "on" and settings["cross_rank_check"] == "error"
     assert settings["disabled_fixes"] == []
+
+
+def test_a_fix_that_fails_at_runtime_leaves_the_process_not_protected(fsdp051: Path) -> None:
+    """A fix that raises while training switches itself off (incidents.report): from then on
+    the process's verdict says NOT protected, names the failure and the workaround, and the
+    fix is ``failed`` in the copy's row."""
+    code = """
+from mfsdp_hotfix import incidents
+incidents.report("ordered-drain", "_enforce_double_buffer_limit", RuntimeError("boom"))
+""" + REPORT
+    data = report(run_python("import mfsdp_hotfix\nimport megatron_fsdp.megatron_fsdp\n" + code,
+                             fsdp051))
+    verdict = data["status"]["verdict"]
+    assert verdict == {"affected": True, "protected": False, "line": (
+        "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: ordered-drain failed "
+        "(_enforce_double_buffer_limit: RuntimeError: boom); use fsdp_double_buffer=False")}
+    assert fixes(data)["ordered-drain"] == "failed"
+    (copy,) = data["status"]["copies"]
+    assert copy["fixes"]["ordered-drain"]["reason"] == (
+        "_enforce_double_buffer_limit: RuntimeError: boom")
+
+
+def test_a_refused_copy_keeps_and_names_the_fixes_that_rest_on_none_of_it(
+        tmp_path: Path) -> None:
+    """megatron-fsdp 0.2.3 refused for its drain: missed-post-backward and zero1-accumulate are
+    applied in the process, and its verdict and warning name them, what is left as shipped
+    and the workaround of each defect left (sharded-grads-summed-unscaled: no fix repairs it)."""
+    import shutil
+
+    root = tmp_path / "site"
+    shutil.copytree(releases.unpacked("megatron-fsdp", "0.2.3"), root)
+    path = root / "megatron_fsdp" / "param_and_grad_buffer.py"
+    old = "            if len(double_buf_units) > 2:\n                keep_n -= 1"
+    path.write_text(path.read_text().replace(old, old.replace("> 2", "> 3"), 1))
+    proc = run_python("import mfsdp_hotfix\nimport megatron_fsdp.megatron_fsdp\n" + REPORT, root)
+    data = report(proc)
+    assert fixes(data) == {"getter-guard": "refused", "ordered-drain": "refused",
+                           "missed-post-backward": "applied", "zero1-accumulate": "applied",
+                           "reduce-once": "not needed"}
+    line = data["status"]["verdict"]["line"]
+    assert line.startswith("affected: megatron-fsdp 0.2.3 (not recognised) — NOT protected: "
+                           "getter-guard, ordered-drain left as shipped (unrecognised code "
+                           "shape in _enforce_double_buffer_limit"), line
+    assert "; the hotfix still applies missed-post-backward, zero1-accumulate; " in line
+    assert line.endswith("; use fsdp_double_buffer=False; for sharded-grads-summed-unscaled use "
+                         "calculate_per_token_loss=True (the release scales nothing; the loss "
+                         "carries the normalisation)"), line
+    assert "Still applied: missed-post-backward, zero1-accumulate" in proc.stderr
+    assert ("sharded-grads-summed-unscaled (ZeRO-2/3 (optim_grads, optim_grads_params) over 2 or "
+            "more data-parallel ranks") in proc.stderr
+    assert "is not repaired either: calculate_per_token_loss=True" in proc.stderr

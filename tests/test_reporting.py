@@ -10,19 +10,26 @@ import pytest
 from mfsdp_hotfix import reporting
 
 
-def _copy(fixes: dict[str, str], defects: dict[str, str] | None = None, refused: str = "",
-          version: str = "9.9.0") -> dict[str, Any]:
+def _copy(fixes: dict[str, str], defects: dict[str, str | None] | None = None,
+          refused: str = "", version: str = "9.9.0", carrier_shape: str | None = "9.9"
+          ) -> dict[str, Any]:
+    """A copy as status lists it; a defect whose fix is None is one no fix repairs, found in
+    the function ``carrier`` (its shape ``carrier_shape``, None: unknown)."""
     return {"copy": "megatron-fsdp", "version": version, "era": None if refused else "Z",
             "refused": bool(refused), "reason": refused,
             "fixes": {fix: {"state": state, "reason": "why"} for fix, state in fixes.items()},
             "release_defects": [{"name": name, "fix": fix, "workarounds": [f"avoid {name}",
                                                                            "other"],
-                                 "repaired": fixes.get(fix) in ("applied", "would apply")}
+                                 "repaired": fixes.get(fix or "") in ("applied", "would apply"),
+                                 "carrier": None if fix else {"function": "Cls.carrier",
+                                                              "shape": carrier_shape}}
                                 for name, fix in (defects or {}).items()]}
 
 
-def _line(hotfix: str | None, *copies: dict[str, Any]) -> str:
-    return str(reporting.verdict({"copies": list(copies)}, hotfix)["line"])
+def _line(hotfix: str | None, *copies: dict[str, Any],
+          failures: dict[str, str] | None = None) -> str:
+    data = {"copies": list(copies), "failures": failures or {}}
+    return str(reporting.verdict(data, hotfix)["line"])
 
 
 def test_protected_names_every_fix_that_protects() -> None:
@@ -43,9 +50,50 @@ def test_switched_off_says_so_and_what_to_use_for_each_defect() -> None:
 @pytest.mark.parametrize("state", ["disabled", "failed", "unverified", "a state added later"])
 def test_a_fix_that_does_not_protect_is_named_with_its_state(state: str) -> None:
     copy = _copy({"new-fix": "would apply", "defect-fix": state}, {"new-defect": "defect-fix"})
+    why = " (why)" if state == "failed" else ""  # a failure is named with what failed
     assert _line("armed", copy) == (
-        f"affected: megatron-fsdp 9.9.0 (era Z) — NOT protected: defect-fix {state}; for "
+        f"affected: megatron-fsdp 9.9.0 (era Z) — NOT protected: defect-fix {state}{why}; for "
         "new-defect use avoid new-defect")
+
+
+@pytest.mark.parametrize("state", ["applied", "would apply"])
+def test_a_fix_that_failed_at_runtime_protects_nothing(state: str) -> None:
+    """incidents.report() switched the fix off for the process: its state may still read
+    applied, but the verdict reads the failures too, names the failure and the workaround."""
+    copy = _copy({"new-fix": state, "defect-fix": "applied"}, {"new-defect": "defect-fix"})
+    failures = {"new-fix": "in the drain: RuntimeError: boom", "audit": "unrelated"}
+    assert _line("active", copy, failures=failures) == (
+        "affected: megatron-fsdp 9.9.0 (era Z) — NOT protected: new-fix failed (in the drain: "
+        "RuntimeError: boom); use fsdp_double_buffer=False")
+    failures = {"defect-fix": "in the setter: KeyError: 'x'"}
+    assert _line("active", copy, failures=failures) == (
+        "affected: megatron-fsdp 9.9.0 (era Z) — NOT protected: defect-fix failed (in the "
+        "setter: KeyError: 'x'); for new-defect use avoid new-defect")
+    assert _line("active", copy, failures={"audit": "unrelated"}).endswith(
+        "protected: the hotfix is active and applies new-fix, defect-fix")
+
+
+def test_a_failed_install_protects_nothing() -> None:
+    line = _line("active", _copy({"new-fix": "applied"}),
+                 failures={"install": "the import hook of x: ValueError: y"})
+    assert line == ("affected: megatron-fsdp 9.9.0 (era Z) — NOT protected: installing the "
+                    "hotfix failed (the import hook of x: ValueError: y); use "
+                    "fsdp_double_buffer=False")
+
+
+@pytest.mark.parametrize(("shape", "said"), [
+    ("9.9", "new-defect is not repaired by the hotfix"),
+    (None, "new-defect not ruled out (carrier has a code shape the hotfix does not know) and "
+           "not repaired by the hotfix")])
+def test_a_release_defect_no_fix_repairs_is_not_protected(shape: str | None, said: str) -> None:
+    copy = _copy({"new-fix": "would apply"}, {"new-defect": None}, carrier_shape=shape)
+    assert _line("armed", copy) == (
+        f"affected: megatron-fsdp 9.9.0 (era Z) — NOT protected: {said}; for new-defect use "
+        "avoid new-defect")
+    copy["limits"] = [{"configuration": "ZeRO-9", "fix": None, "defect": "new-defect"}]
+    assert f"{said} (it hits ZeRO-9);" in _line(None, copy)
+    assert _line("off", copy).startswith(
+        "affected: megatron-fsdp 9.9.0 (era Z) — NOT protected: MFSDP_HOTFIX=0; " + said)
 
 
 def test_not_loaded_protects_nothing() -> None:
@@ -72,6 +120,19 @@ def test_a_refused_copys_release_defects_are_told_what_to_use() -> None:
     assert _line("armed", _copy({}, {"new-defect": "defect-fix"}, refused="unknown getter")) == (
         "affected: megatron-fsdp 9.9.0 (not recognised) — NOT protected: left as shipped "
         "(unknown getter); use fsdp_double_buffer=False; for new-defect use avoid new-defect")
+
+
+def test_a_refused_copy_names_what_still_applies_what_is_left_and_each_workaround() -> None:
+    copy = _copy({"db-fix": "refused", "other-db-fix": "refused", "kept-fix": "would apply",
+                  "unneeded": "not needed", "defect-fix": "would apply", "off-fix": "disabled"},
+                 {"kept-defect": "defect-fix", "left-defect": "off-fix"},
+                 refused="unknown drain")
+    assert _line("armed", copy) == (
+        "affected: megatron-fsdp 9.9.0 (not recognised) — NOT protected: db-fix, other-db-fix "
+        "left as shipped (unknown drain); the hotfix still applies kept-fix, defect-fix; "
+        "off-fix disabled; use fsdp_double_buffer=False; for left-defect use avoid left-defect")
+    # nothing applies where nothing loads the hotfix
+    assert "still applies" not in _line("not loaded", copy)
 
 
 def test_a_copy_without_version_metadata_is_named_by_its_era() -> None:

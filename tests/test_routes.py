@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REFUSES_HSDP, REPO
 from installed import Installed  # its session fixture `installed` comes from conftest
 
 pytestmark = pytest.mark.slow
@@ -152,9 +152,10 @@ def test_status(installed: Installed) -> None:
     lines = plain.stdout.splitlines()
     assert lines[0] == ("affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed "
                         "and applies getter-guard, ordered-drain, zero1-accumulate, "
-                        "reduce-once"), lines
+                        "reduce-once, single-rank-reduce" + REFUSES_HSDP), lines
     assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain, "
-                               "zero1-accumulate, reduce-once would apply; at "), lines
+                               "zero1-accumulate, reduce-once, single-rank-reduce would apply; "
+                               "at "), lines
     assert re.fullmatch(r"mfsdp-hotfix \S+, in a new Python process of this environment: the "
                         r"hotfix is armed at interpreter start by \S+/site-packages/"
                         r"mfsdp_hotfix\.pth", lines[2]), lines
@@ -178,7 +179,7 @@ def test_status_path(installed: Installed) -> None:
     lines = proc.stdout.splitlines()
     assert lines[0] == ("affected: megatron-fsdp 0.5.1 (era B) — repaired where the hotfix is "
                         "loaded: it applies getter-guard, ordered-drain, zero1-accumulate, "
-                        "reduce-once"), lines
+                        "reduce-once, single-rank-reduce" + REFUSES_HSDP), lines
     assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): "), lines
     assert f"for the folder {folder}, read from disk (nothing imported)" in proc.stdout
 
@@ -195,7 +196,8 @@ def test_switched_off(installed: Installed) -> None:
     unfixed = check.stdout.split("\nLeft unfixed:\n", 1)[1].splitlines()
     assert [line.rsplit(": ", 1)[1] for line in unfixed] == [
         "getter-guard off (MFSDP_HOTFIX=0)", "ordered-drain off (MFSDP_HOTFIX=0)",
-        "zero1-accumulate off (MFSDP_HOTFIX=0)", "reduce-once off (MFSDP_HOTFIX=0)"], unfixed
+        "zero1-accumulate off (MFSDP_HOTFIX=0)", "reduce-once off (MFSDP_HOTFIX=0)",
+        "single-rank-reduce off (MFSDP_HOTFIX=0)"], unfixed
     proc = installed.sh("MFSDP_HOTFIX=0 python -c 'import megatron_fsdp, mfsdp_hotfix; "
                         "print(mfsdp_hotfix.summary()); "
                         "print(mfsdp_hotfix.status()[\"copies\"][0][\"imported\"])\n"
@@ -352,7 +354,7 @@ def test_the_example_job_through_the_audit(installed: Installed) -> None:
     assert re.search(r"^mfsdp_hotfix audit, 2 ranks: ordered: 0 unordered of [1-9]\d* "
                      r"gradient-slot reuses", proc.stderr, re.M), proc.stderr[-3000:]
     assert ("mfsdp_hotfix: megatron-fsdp 0.5.1 era B: getter-guard, ordered-drain, "
-            "zero1-accumulate, reduce-once") in proc.stdout
+            "zero1-accumulate, reduce-once, single-rank-reduce") in proc.stdout
     assert proc.stdout.splitlines()[-1].startswith("audit: ordered: ")
     files = sorted(example.iterdir())
     written = [f.read_bytes() for f in files]

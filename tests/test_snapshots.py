@@ -134,7 +134,8 @@ def test_status_says_which_function_matched_which_shape_and_how(tmp_path: Path) 
         "getter-guard": "not needed", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
-        "reduce-once": "would apply"}
+        "reduce-once": "would apply",
+        "single-rank-reduce": "would apply"}
     text = _status(root, "--verbose")
     assert ("main_grad_getter: drains before fetching, recognised by structure (guarded)"
             in text)
@@ -152,7 +153,8 @@ def test_status_of_a_git_snapshot_says_it_is_judged_by_its_code(tmp_path: Path) 
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
-        "reduce-once": "would apply"}
+        "reduce-once": "would apply",
+        "single-rank-reduce": "would apply"}
 
 
 def test_pr6316_drain_is_recognised_by_its_structure_with_the_pool_size_from_the_config(
@@ -180,7 +182,8 @@ def test_status_of_pr6316_shows_the_pool_size_and_the_fix(tmp_path: Path) -> Non
         "getter-guard": "not needed", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
-        "reduce-once": "would apply"}
+        "reduce-once": "would apply",
+        "single-rank-reduce": "would apply"}
     assert ("gradient pool slots (N): from the config (self.ddp_config.fsdp_buffer_count), "
             "read when the model is built") in _status(root, "--verbose")
 
@@ -252,9 +255,13 @@ def test_the_drain_on_the_callers_stream_is_the_change_proposed_upstream(
     ("            double_buf_units.add(fsdp_unit_id)\n            if len(double_buf_units)",
      "            queued_units = {fsdp_unit_id}\n            if len(queued_units)", 1),
     ("for bucket_id in add_buckets:", "for bucket_id in []:", 1),
+    ("keep_n = len(self.grad_reduce_queue)\n",
+     "keep_n = len(self.grad_reduce_queue)\n        keep_n = min(keep_n, 1)\n", 1),
+    ("            if len(double_buf_units) > buffer_count:",
+     "            buffer_count = 1\n            if len(double_buf_units) > buffer_count:", 1),
 ], ids=["retires-one-more", "constant-assert", "not-from-a-config", "retires-all",
         "retires-two-at-once", "queued-units-not-counted", "counts-another-set",
-        "assert-not-on-the-incoming-units"])
+        "assert-not-on-the-incoming-units", "keep-n-set-again", "pool-size-set-again"])
 def test_another_drain_with_a_configured_pool_size_is_still_refused(
         tmp_path: Path, old: str, new: str, count: int, callers_stream: bool) -> None:
     snapshot = snapshots.SNAPSHOTS["pr6316"]

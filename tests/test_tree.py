@@ -30,7 +30,8 @@ def test_an_unpacked_megatron_core_release() -> None:
     assert states(copy) == {"getter-guard": "not needed", "ordered-drain": "would apply",
                             "missed-post-backward": "not needed",
                             "zero1-accumulate": "would apply",
-                            "reduce-once": "would apply"}
+                            "reduce-once": "would apply",
+        "single-rank-reduce": "would apply"}
     assert copy["package_info"] == {f"{VENDORED}/package_info.py": "0.6.1",
                                     "megatron/core/package_info.py": "0.19.2"}
     (v2,) = data["v2_copies"]
@@ -154,7 +155,8 @@ def test_cli_text_json_and_check(capsys: pytest.CaptureFixture[str], tmp_path: P
     code, out, _ = run_cli(capsys, "--path", str(tmp_path), "--check")
     assert code == cli.CHECK_UNFIXED and out.startswith(
         "affected: megatron-core 0.13 custom_fsdp (no version metadata, not recognised) — NOT "
-        "protected: left as shipped (its main_grad getter is a class-level property"), out
+        "protected: getter-guard, ordered-drain left as shipped (its main_grad getter is a "
+        "class-level property"), out
     code, out, _ = run_cli(capsys, "--path", str(tmp_path), "--check", "--verbose")
     assert code == cli.CHECK_UNFIXED and "Left unfixed:" in out
 
@@ -173,3 +175,20 @@ def test_bad_input_gets_a_message_and_its_exit_status(
     assert code == status and out == "" and words in err and folder in err
     code, out, _ = run_cli(capsys, "--path", folder, "--json")
     assert code == status and words in json.loads(out)["error"]
+
+
+def test_a_release_with_a_defect_no_fix_repairs_fails_the_check(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """megatron-fsdp 0.2.3 read from disk: repaired where the hotfix is loaded, but for its
+    sharded-gradient scaling, which no fix repairs: NOT protected, and --check exits 1."""
+    release = str(releases.unpacked("megatron-fsdp", "0.2.3"))
+    code, out, _ = run_cli(capsys, "--path", release, "--check", "--verbose")
+    assert code == cli.CHECK_UNFIXED and out.startswith(
+        "affected: megatron-fsdp 0.2.3 (era A) — NOT protected: sharded-grads-summed-unscaled is "
+        "not repaired by the hotfix (it hits ZeRO-2/3"), out
+    assert ("    release defect sharded-grads-summed-unscaled: NOT repaired (no fix repairs it; "
+            "_bucket_group_gradient_reduce: the code of megatron-core 0.14)") in out
+    assert ("    _bucket_group_gradient_reduce: the code of megatron-core 0.14, recognised by "
+            "fingerprint (has sharded-grads-summed-unscaled, which no fix repairs)") in out
+    code, out, _ = run_cli(capsys, "--path", release, "--json", "--check")
+    assert code == cli.CHECK_UNFIXED and json.loads(out)["verdict"]["protected"] is False

@@ -53,16 +53,32 @@ STOPPED = ("the step is stopped, because going on would train on wrong gradients
 _LEFT_OUT: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
 
 
+# Per ParamAndGradBuffer: the ids of its one-rank gradient buckets (groups do not change).
+_ONE_RANK: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def one_rank_buckets(buffer: Any) -> frozenset[int]:
+    """The ids of the buckets of ``buffer`` (a ``ParamAndGradBuffer``) whose gradient buffer
+    shards gradients (ZeRO-2/3) over a data-parallel group of one rank."""
+    found = _ONE_RANK.get(buffer)
+    if found is None:
+        sharded = buffer.ddp_config.data_parallel_sharding_strategy in SHARDED_GRADIENTS
+        found = frozenset(
+            bucket_id for bucket_id, group in enumerate(buffer.parameter_groups)
+            if sharded and group.main_grad_buffer is not None
+            and group.main_grad_buffer.data_parallel_group.size() == 1)
+        _ONE_RANK[buffer] = found
+    return found
+
+
 def one_rank_bucket(buffer: Any, param: Any) -> int | None:
-    """The bucket id of ``param``'s gradient buffer when that buffer shards gradients over a
-    data-parallel group of one rank, else None."""
-    if buffer.ddp_config.data_parallel_sharding_strategy not in SHARDED_GRADIENTS:
+    """The bucket id of ``param``'s gradient buffer when it is one of :func:`one_rank_buckets`,
+    else None."""
+    one_rank = one_rank_buckets(buffer)
+    if not one_rank:
         return None
     bucket_id: int = buffer.param_to_param_group[param]
-    grads = buffer.parameter_groups[bucket_id].main_grad_buffer
-    if grads is None or grads.data_parallel_group.size() != 1:
-        return None
-    return bucket_id
+    return bucket_id if bucket_id in one_rank else None
 
 
 def one_rank_scale(grads: Any, ddp_config: Any) -> float | None:

@@ -13,7 +13,7 @@ import pytest
 import releases
 import torch
 
-from mfsdp_hotfix import detection, fingerprints, registry, structure
+from mfsdp_hotfix import cli, detection, fingerprints, registry, structure, tree
 from mfsdp_hotfix.fixes import reduce_once
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseSpec
@@ -162,6 +162,120 @@ def test_a_fork_with_the_upstream_condition_needs_no_fix(tmp_path: Path) -> None
         registry.MISSED_POST_BACKWARD)
 
 
+# NVIDIA/Megatron-LM#6357's condition of both hooks, in its words (comments aside).
+UPSTREAM_CONDITION = ("if grad_reduce_every_bprop or (\n                self.ddp_config"
+                      ".overlap_grad_reduce\n                and (is_last_microbatch or "
+                      "self.model_auto_sync)\n            ):")
+# The first statement after the reduction of _process_post_backward_gradients.
+AFTER_THE_IF = "            # Mark parameters as processed.\n"
+LAST_MICROBATCH = '            is_last_microbatch = getattr(self, "is_last_microbatch", False)\n'
+# Each edit reduces outside the condition, or makes it undecidable.
+OUTSIDE_THE_CONDITION = {
+    "else-branch": (AFTER_THE_IF, "            else:\n                self.grad_reduce_pipeline"
+                                  ".reduce_gradients(param_list)\n\n" + AFTER_THE_IF),
+    "after-the-if": (AFTER_THE_IF, "            self.grad_reduce_pipeline.reduce_gradients("
+                                   "param_list)\n\n" + AFTER_THE_IF),
+    "getattr-default": ("(\n                self.ddp_config.overlap_grad_reduce\n",
+                        '(\n                getattr(self, "reduce_in_hooks", '
+                        'self.ddp_config.overlap_grad_reduce)\n'),
+    "unknown-assignment": (LAST_MICROBATCH, LAST_MICROBATCH + "            grad_reduce_every_"
+                           "bprop = grad_reduce_every_bprop or self._reduce_every_bprop()\n"),
+}
+
+
+def upstream_condition_copy(root: Path) -> Path:
+    """megatron-fsdp 0.6.1 with both hooks' condition rewritten as #6357 writes it."""
+    shutil.copytree(releases.unpacked("megatron-fsdp", "0.6.1"), root)
+    model = root / "megatron_fsdp" / "megatron_fsdp.py"
+    text = model.read_text()
+    assert text.count(RELEASE_CONDITION) == 2
+    model.write_text(text.replace(RELEASE_CONDITION, UPSTREAM_CONDITION))
+    return model
+
+
+def test_the_upstream_condition_alone_needs_no_fix(tmp_path: Path) -> None:
+    upstream_condition_copy(tmp_path / "site")
+    (copy,) = tree.judge(str(tmp_path / "site"))["copies"]
+    assert copy["fixes"]["reduce-once"]["state"] == "not needed"
+
+
+@pytest.mark.parametrize("variant", sorted(OUTSIDE_THE_CONDITION))
+def test_a_reduction_outside_the_upstream_condition_is_never_not_needed(
+        tmp_path: Path, variant: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A reduction the hooks may call outside #6357's condition, or under one the recogniser
+    cannot decide, leaves the copy needing the fix or unverified: never "not needed"."""
+    model = upstream_condition_copy(tmp_path / "site")
+    old, new = OUTSIDE_THE_CONDITION[variant]
+    text = model.read_text()
+    assert old in text
+    model.write_text(text.replace(old, new, 1))
+    assert structure.hook_reduction(hooks_source(tmp_path / "site")) is None
+    (copy,) = tree.judge(str(tmp_path / "site"))["copies"]
+    assert copy["fixes"]["reduce-once"]["state"] == "unverified"
+    assert cli.main(["status", "--verbose", "--path", str(tmp_path / "site")]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "reduce-once: unverified" in out and "reduce-once: not needed" not in out
+
+
+def test_the_real_upstream_change_is_still_recognised() -> None:
+    """NVIDIA/Megatron-LM#6357's own megatron_fsdp.py, read from the clone."""
+    head = releases.git_tree("refs/pull/6357/head")
+    if head is None:
+        pytest.skip("NVIDIA/Megatron-LM#6357 needs a Megatron-LM clone: set "
+                    "MFSDP_TEST_MEGATRON_LM")
+    assert structure.hook_reduction(hooks_source(head)) == structure.REDUCES_ONCE
+    setter = fingerprints.parse_file(head / "megatron_fsdp" / "megatron_fsdp.py").source(
+        registry.OVERWRITE_SETTER)
+    assert structure.decides_overwrite_main_grad(setter)
+    found = detection.detect_file(registry.COPIES[0],
+                                  head / "megatron_fsdp" / "param_and_grad_buffer.py")
+    assert not found.needs(registry.REDUCE_ONCE) and not found.needs(registry.ZERO1_ACCUMULATE)
+
+
+def test_a_collective_outside_the_guarded_loop_is_not_skipping(tmp_path: Path) -> None:
+    """0.3.1's all_reduce_gradients skips every buffer; with one more all-reduce after its
+    loop it reduces, and is recognised as neither."""
+    buffer = releases.unpacked("megatron-fsdp", "0.3.1") / "megatron_fsdp" / \
+        "param_and_grad_buffer.py"
+    source = fingerprints.parse_file(buffer).source(registry.ALL_REDUCE)
+    assert structure.skips_every_buffer(source)
+    loop_end = "        for op in all_reduce_ops:\n"
+    assert loop_end in source
+    edited = source.replace(loop_end, "        torch.distributed.all_reduce(self.grad_data)\n"
+                            + loop_end)
+    assert not structure.skips_every_buffer(edited)
+    assert not structure.reduces_every_buffer(edited)
+
+
+def unrecognised_hooks_copy(root: Path, version: str) -> Path:
+    """A release whose hooks decide the reduction by a call the recogniser cannot evaluate."""
+    shutil.copytree(releases.unpacked("megatron-fsdp", version), root)
+    model = root / "megatron_fsdp" / "megatron_fsdp.py"
+    text = model.read_text()
+    assert text.count(RELEASE_CONDITION) == 2
+    model.write_text(text.replace(RELEASE_CONDITION,
+                                  "if grad_reduce_every_bprop or self.should_reduce():"))
+    return root
+
+
+@pytest.mark.parametrize(("version", "state", "limited"), [
+    ("0.2.3", "not needed", []),
+    ("0.3.1", "unverified", ["optim"]),
+    ("0.6.1", "unverified", ["optim", "no_shard"])])
+def test_unrecognised_hooks_limit_only_the_strategies_whose_synchronous_reduction_reduces(
+        tmp_path: Path, version: str, state: str, limited: list[str]) -> None:
+    """Where finish_grad_sync reduces nothing (0.1.0-0.2.3 both strategies, 0.3-0.4 no_shard)
+    the hooks' reduction is the only one, whatever it looks like: not affected, not refused."""
+    (copy,) = tree.judge(str(unrecognised_hooks_copy(tmp_path / "site", version)))["copies"]
+    assert copy["shapes"][registry.HOOKS] is None
+    assert copy["fixes"]["reduce-once"]["state"] == state
+    labels = {"optim": "ZeRO-1 (optim)", "no_shard": "no_shard"}
+    assert [limit["configuration"] for limit in copy["limits"]
+            if limit["fix"] == "reduce-once" and not limit["configuration"].startswith(
+                "HSDP")] == [f"{labels[strategy]} with overlap_grad_reduce=False"
+                             for strategy in limited]
+
+
 def test_the_defect_is_the_fixs() -> None:
     defect = registry.UNSHARDED_GRADS_REDUCED_TWICE
     assert defect in registry.RELEASE_DEFECTS and defect.fix == registry.REDUCE_ONCE.id
@@ -185,3 +299,26 @@ def test_shipped_reduces_twice_and_the_fix_reduces_once(strategy: str,
     assert not shipped.crashed and (shipped.max_abs_grad_error or 0) > 0, shipped.exception
     fixed = run_case(case(strategy, "on", **fields))
     assert not fixed.crashed and fixed.max_abs_grad_error == 0.0, fixed.exception
+
+
+def hsdp_case(path: Path, hotfix: str, overlap: bool) -> CaseSpec:
+    return CaseSpec(flavour="standalone", path=str(path), hotfix=hotfix, strategy="optim",
+                    world=4, outer=2, overlap_grad_reduce=overlap, double_buffer=False,
+                    linear="unfused", microbatches=1, units=4)
+
+
+@pytest.mark.slow
+def test_hsdp_zero1_without_overlap_is_refused_not_made_worse() -> None:
+    """HSDP (DP-Outer 2 x DP-Shard 2) with ZeRO-1 and overlap_grad_reduce=False, megatron-fsdp
+    0.6.1 on 4 gloo ranks: wrong as shipped (reduced twice), and reduce-once alone would leave
+    out the DP-Outer all-reduce (wrong too, by more). With the hotfix the model is refused when
+    it is built, naming the workaround, which is exact."""
+    release = releases.unpacked("megatron-fsdp", "0.6.1")
+    shipped = run_case(hsdp_case(release, "off", overlap=False))
+    assert not shipped.crashed and (shipped.max_abs_grad_error or 0) > 0.1, shipped.exception
+    refused = run_case(hsdp_case(release, "on", overlap=False))
+    assert refused.crashed and "UnsupportedConfiguration" in (refused.exception or "")
+    assert "Workaround: overlap_grad_reduce=True" in (refused.exception or "")
+    workaround = run_case(hsdp_case(release, "on", overlap=True))
+    assert not workaround.crashed and (workaround.max_abs_grad_error or 1) < 1e-6, (
+        workaround.exception)

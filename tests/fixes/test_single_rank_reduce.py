@@ -84,17 +84,23 @@ def test_two_ranks_are_left_bit_for_bit_as_they_were(strategy: str) -> None:
     assert with_fix.max_abs_grad_error == 0.0
 
 
-HOOKS_LINE = "self.grad_reduce_pipeline.reduce_gradients("
+RELEASE_CONDITION = "if grad_reduce_every_bprop or is_last_microbatch or self.model_auto_sync:"
+UNDECIDABLE = "if grad_reduce_every_bprop or self.should_reduce():"
 
 
 def unknown_hooks(tmp_path: Path) -> Path:
-    """0.6.1 with its hooks' text changed (a no-op), so that their shape is unknown."""
+    """0.6.1 whose hooks reduce under a condition no recogniser can decide (a call): their
+    shape is unknown. The condition still reduces every microbatch here, as the release does."""
     root = tmp_path / "site"
     shutil.copytree(releases.unpacked("megatron-fsdp", "0.6.1"), root)
     model = root / "megatron_fsdp" / "megatron_fsdp.py"
     text = model.read_text()
-    assert HOOKS_LINE in text
-    model.write_text(text.replace(HOOKS_LINE, "pass\n                " + HOOKS_LINE, 1))
+    assert text.count(RELEASE_CONDITION) == 2
+    text = text.replace(RELEASE_CONDITION, UNDECIDABLE).replace(
+        "    def finish_grad_sync(",
+        "    def should_reduce(self):\n        return getattr(self, 'is_last_microbatch', False) "
+        "or self.model_auto_sync\n\n    def finish_grad_sync(", 1)
+    model.write_text(text)
     found = detection.detect_file(registry.COPIES[0],
                                   root / "megatron_fsdp" / "param_and_grad_buffer.py")
     assert found.shapes[registry.HOOKS] is None

@@ -122,17 +122,51 @@ NOT_NO_SHARD = DECIDES.replace('in ["optim_grads"]', '!= "no_shard"')
 NOT_UNSHARDED = DECIDES.replace('in ["optim_grads"]', 'not in ("optim", "no_shard")')
 PER_PARAMETER = DECIDES.replace('self.data_parallel_sharding_strategy in ["optim_grads"]',
                                 "param._grad_sharded")
+# An attribute the model does not hold, read with #6357's decision as its default: undecidable.
+GETATTR_DEFAULT = UPSTREAM.replace(
+    "= self.data_parallel_sharding_strategy in [", '= getattr(self, "shard_grads", '
+    "self.data_parallel_sharding_strategy in [").replace("        ]\n", "        ])\n")
+# One more write of overwrite_main_grad, in a form or a place the decision alone does not show.
+ALSO_SETATTR = UPSTREAM + '        setattr(param, "overwrite_main_grad", True)\n'
+ALSO_UNPACKED = UPSTREAM + "        param.overwrite_main_grad, _ = True, None\n"
+ALSO_IN_A_BRANCH = UPSTREAM + ("        if self.ddp_config.overlap_grad_reduce:\n"
+                               "            param.overwrite_main_grad = True\n")
+SETS_THE_STRATEGY = UPSTREAM.replace(
+    "    for param in params:\n",
+    '    self.data_parallel_sharding_strategy = "optim_grads"\n    for param in params:\n')
 
 
 @pytest.mark.parametrize(("source", "always", "decides"), [
     (ALWAYS, True, False), (UPSTREAM, False, True), (NOT_UNSHARDED, False, True),
     (DECIDES, False, False), (NOT_NO_SHARD, False, False), (PER_PARAMETER, False, False),
-    (SILENT, False, False)],
+    (SILENT, False, False), (GETATTR_DEFAULT, False, False), (ALSO_SETATTR, False, False),
+    (ALSO_UNPACKED, False, False), (ALSO_IN_A_BRANCH, False, False),
+    (SETS_THE_STRATEGY, False, False)],
     ids=["always", "upstream", "other-words", "zero3-left-out", "true-for-zero1",
-         "per-parameter", "silent"])
+         "per-parameter", "silent", "getattr-default", "also-setattr", "also-unpacked",
+         "also-in-a-branch", "sets-the-strategy"])
 def test_fork_shapes(source: str, always: bool, decides: bool) -> None:
     assert structure.always_overwrites_main_grad(source) is always
     assert structure.decides_overwrite_main_grad(source) is decides
+
+
+def test_a_getattr_default_in_the_setter_is_never_not_needed(tmp_path: Path) -> None:
+    """megatron-fsdp 0.6.1 with #6357's decision read as the default of an attribute the
+    model does not hold: the fix is unverified (a ZeRO-1 model is refused), not "not needed"."""
+    import shutil
+
+    from mfsdp_hotfix import tree
+
+    root = tmp_path / "site"
+    shutil.copytree(releases.unpacked("megatron-fsdp", "0.6.1"), root)
+    model = root / "megatron_fsdp" / "megatron_fsdp.py"
+    text = model.read_text()
+    assert text.count("param.overwrite_main_grad = True") == 1
+    model.write_text(text.replace(
+        "param.overwrite_main_grad = True", 'param.overwrite_main_grad = getattr(self, "shard_'
+        'grads", self.data_parallel_sharding_strategy in ["optim_grads", "optim_grads_params"])'))
+    (copy,) = tree.judge(str(root))["copies"]
+    assert copy["fixes"]["zero1-accumulate"]["state"] == "unverified"
 
 
 def test_the_defect_is_the_fixs() -> None:

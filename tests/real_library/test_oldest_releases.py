@@ -178,6 +178,34 @@ def test_scale_then_sum_gives_wrong_grads_as_shipped() -> None:
     assert result.max_abs_grad_error and result.max_abs_grad_error > 1e-3, describe(result)
 
 
+def test_scale_then_sum_is_wrong_with_the_hotfix_too() -> None:
+    """The hotfix does not repair that defect: world-size times too large with one microbatch
+    (relative error 1 at 2 ranks), exact with per-token loss, with the hotfix on."""
+    fields = {"hotfix": "on", "double_buffer": False, "microbatches": 1, "iterations": 1}
+    wrong = run(FSDP_023, grad_reduce="scale-then-sum", **fields)
+    assert not wrong.crashed and wrong.max_rel_grad_error == 1.0, describe(wrong)
+    assert_matches_reference(run(FSDP_023, grad_reduce="per-token", **fields))
+
+
+def test_a_model_on_the_scale_then_sum_path_is_refused() -> None:
+    """bf16 gradient buffers (fully_shard's grad_reduce_in_fp32=False) take the release's
+    scale-then-SUM branch, so the model is refused when it is built; as shipped its gradients
+    are wrong. (The harness's gradient_reduce_div_fusion=False is set after the model is
+    built, which the gate does not see: the test above.)"""
+    fields = {"dtype": "bfloat16", "grad_reduce": "scale-then-sum", "double_buffer": False}
+    refused = run(FSDP_023, hotfix="on", **fields)
+    assert refused.crashed, describe(refused)
+    message = refused.exception or ""
+    assert message.startswith("UnsupportedConfiguration: mfsdp_hotfix: megatron-fsdp "
+                              "megatron-fsdp 0.2.3"), describe(refused)
+    for words in ("sharded-grads-summed-unscaled, which no fix repairs",
+                  "Workaround: calculate_per_token_loss=True"):
+        assert words in message, message
+    shipped = run(FSDP_023, hotfix="off", **fields)
+    assert not shipped.crashed and shipped.max_rel_grad_error, describe(shipped)
+    assert shipped.max_rel_grad_error > 0.5, describe(shipped)
+
+
 @pytest.fixture(scope="module")
 def unknown_hooks_shape(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """megatron-fsdp 0.2.3 with one statement added to ``_register_fsdp_hooks``: a fork."""
