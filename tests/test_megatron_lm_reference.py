@@ -322,3 +322,17 @@ def test_fused_wgrad_with_local_layers_gets_transformer_engine_and_waits_for_its
     drv = mlm.Driver(paths, 1000.0, mlm.time.time() + 3600, 4, 240.0, 300.0)
     assert drv.one(fused)["error"] == "TransformerEngine's setup failed"
     assert drv.one(apart)["outcome"] == "ok"
+
+
+def test_while_te_is_built_the_runs_without_it_go_first_and_each_truth_before_its_runs() -> None:
+    cases = mlm.pipelined(mlm.plan(("core-0.19.2",), ("ddp-local", "fused-local", "ddp")))
+    order = mlm.te_last(cases)
+    assert sorted(c["id"] for c in order) == sorted(c["id"] for c in cases)
+    te = [mlm.needs_te(c) for c in order]
+    assert te == sorted(te) and 0 < te.index(True)
+    place = {c["id"]: i for i, c in enumerate(order)}
+    for c in order:
+        if c.get("judge"):
+            assert place[c["judge"]] < place[c["id"]], c["id"]
+    assert [c["id"] for c in order if mlm.needs_te(c)] == \
+        [c["id"] for c in cases if mlm.needs_te(c)]  # each part keeps its order

@@ -454,7 +454,8 @@ def stage_sources(checkouts: dict[str, str], rel_dirs: dict[str, str]) -> tuple[
         if rel not in rel_dirs:
             continue
         diff = training_differences(checkout, rel_dirs[rel])
-        checks[rel] = dict(diff, checkout=os.path.abspath(checkout), matches=matches(diff),
+        # named as the command line names it: a record holds no path of the machine it ran on
+        checks[rel] = dict(diff, checkout=checkout, matches=matches(diff),
                            missing_scripts=[n for n in SCRIPTS
                                             if not os.path.isfile(os.path.join(checkout, n))])
         if not matches(diff) or checks[rel]["missing_scripts"]:
@@ -833,6 +834,18 @@ def pipelined(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def te_last(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """While TE is being built, the runs that need it (and those judged by one that needs it)
+    after those that do not, each part in its order: a run waiting for TE holds a worker that a
+    run without TE could use. A truth stays before the runs compared with it."""
+    by_id = {c["id"]: c for c in cases}
+
+    def waits(c: dict[str, Any]) -> bool:
+        return needs_te(c) or (bool(c.get("judge")) and needs_te(by_id.get(c["judge"], c)))
+
+    return sorted(cases, key=waits)
+
+
 FAIL_FAST = 8
 COLLECT_TIMEOUT = 180.0  # importing megatron and TE, nothing run
 MIN_START_S = 45  # a run started with less of the budget left would be cut
@@ -937,7 +950,7 @@ class Driver:
 
     def run_all(self, cases: list[dict[str, Any]], log=print,
                 progress=None) -> list[dict[str, Any]]:
-        cases = pipelined(cases)
+        cases = te_last(pipelined(cases)) if self.te_building() else pipelined(cases)
         truths = {}
         for c in cases:
             if c["group"] == "unit" or c.get("judged"):
