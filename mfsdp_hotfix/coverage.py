@@ -18,6 +18,7 @@ refused while the hotfix is loaded. ``status()`` lists every entry per copy unde
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,18 @@ class Limit:
     reduction: str | None = None
     repaired: bool = True
     defect: registry.ReleaseDefect | None = None  # fix None: the defect, decided by its carrier
+
+
+def _fused_core_linears(model: Any) -> bool:
+    """Whether the module ``model`` wraps holds a megatron-core ``ColumnParallelLinear`` or
+    ``RowParallelLinear`` with ``gradient_accumulation_fusion`` on (none where megatron-core's
+    layers are not imported)."""
+    layers = sys.modules.get(registry.CORE_LINEAR_MODULE)
+    if layers is None:
+        return False
+    classes = (layers.ColumnParallelLinear, layers.RowParallelLinear)
+    return any(isinstance(child, classes) and child.gradient_accumulation_fusion
+               for child in model.module.modules())
 
 
 def _sharded(model: Any) -> bool:
@@ -176,6 +189,14 @@ LIMITS = (
           registry.UNSHARDED_SHARD_ADDED_TO_ITSELF.symptom,
           " or ".join(registry.UNSHARDED_SHARD_ADDED_TO_ITSELF.workarounds),
           defect=registry.UNSHARDED_SHARD_ADDED_TO_ITSELF),
+    Limit(registry.CORE_LINEAR_ACCUMULATE.id,
+          "ZeRO-1 (optim) with megatron-core's own linear layers (ColumnParallelLinear, "
+          "RowParallelLinear) and gradient_accumulation_fusion",
+          lambda model: (model.ddp_config.data_parallel_sharding_strategy == "optim"
+                         and _fused_core_linears(model)),
+          registry.CORE_LINEAR_FUSED_WGRAD_OVERWRITE.symptom
+          + ", with 2 or more microbatches per step",
+          " or ".join(registry.CORE_LINEAR_FUSED_WGRAD_OVERWRITE.workarounds)),
 )
 
 # Fix states that leave a configuration failing, and whether building a model in it is refused.

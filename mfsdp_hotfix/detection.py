@@ -95,6 +95,7 @@ def detect_module(copy: Copy, buffer_module: ModuleType) -> Detection:
     sources, problems = _sources(source)
     sources.update(_reduction_sources(source))
     sources.update(_gate_sources(buffer_file))
+    sources.update(_core_linear_sources(copy, buffer_file))
     found = _classify(copy, str(buffer_file.parent), sources, problems)
     return _with_pool_size(found, lambda: fingerprints.source_of(
         _resolve(buffer_module, registry.POOL_BUILDER)))
@@ -110,6 +111,7 @@ def detect_file(copy: Copy, buffer_file: Path, installed: bool = True) -> Detect
     sources, problems = _sources(tree.source)
     sources.update(_reduction_sources(tree.source))
     sources.update(_gate_sources(buffer_file))
+    sources.update(_core_linear_sources(copy, buffer_file))
     found = _classify(copy, str(buffer_file.parent), sources, problems, installed)
     return _with_pool_size(found, lambda: tree.source(registry.POOL_BUILDER))
 
@@ -274,6 +276,24 @@ def _gate_sources(buffer_file: Path) -> dict[str, str | None]:
         except KeyError:
             sources[qualname] = None
     return sources
+
+
+def _core_linear_sources(copy: Copy, buffer_file: Path) -> dict[str, str | None]:
+    """megatron-core's fused linear backward (:data:`registry.CORE_LINEAR_BACKWARD`), parsed from
+    the megatron-core tree the copy is vendored in. Nothing (the function is not in this copy's
+    tree) for a copy outside megatron-core or a tree without ``megatron/core/tensor_parallel``;
+    None where that package is there but the function cannot be read."""
+    if copy.core_linear_module is None:
+        return {}
+    root = Path(_sys_path_entry(copy, str(buffer_file.parent)))
+    layers = Path(root, *copy.core_linear_module.split(".")).with_suffix(".py")
+    if not layers.parent.is_dir():
+        return {}
+    try:
+        return {registry.CORE_LINEAR_BACKWARD:
+                fingerprints.parse_file(layers).source(registry.CORE_LINEAR_BACKWARD)}
+    except (KeyError, fingerprints.SourceUnavailable):
+        return {registry.CORE_LINEAR_BACKWARD: None}
 
 
 def _resolve(module: ModuleType, qualname: str) -> object:

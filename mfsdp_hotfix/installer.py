@@ -34,13 +34,15 @@ from .registry import Copy, Fix
 log = logging.getLogger("mfsdp_hotfix")
 
 
-# Which fix module patches which of a copy's two modules.
+# Which fix module patches which of a copy's modules (a ``Copy`` property).
 _FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
                registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module"),
                registry.MISSED_POST_BACKWARD.id: ("missed_post_backward", "model_module"),
                registry.ZERO1_ACCUMULATE.id: ("zero1_accumulate", "model_module"),
                registry.REDUCE_ONCE.id: ("reduce_once", "buffer_module"),
-               registry.SINGLE_RANK_REDUCE.id: ("single_rank_reduce", "model_module")}
+               registry.SINGLE_RANK_REDUCE.id: ("single_rank_reduce", "model_module"),
+               registry.CORE_LINEAR_ACCUMULATE.id: ("core_linear_accumulate",
+                                                    "core_linear_module")}
 _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains before it "
                                          "allocates, as NVIDIA/Megatron-LM#5222 and "
                                          "ROCm/Megatron-LM#146 do",
@@ -61,7 +63,11 @@ _NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains be
                registry.SINGLE_RANK_REDUCE.id: "its backward hooks reduce a gradient buffer "
                                                "whose data-parallel group has one rank once per "
                                                "step, not every microbatch "
-                                               "(NVIDIA/Megatron-LM#6773)"}
+                                               "(NVIDIA/Megatron-LM#6773)",
+               registry.CORE_LINEAR_ACCUMULATE.id: "no megatron-core fused linear is in this "
+                                                   "copy's tree (megatron-core's own copy "
+                                                   "carries the fix), or its Megatron-FSDP wgrad "
+                                                   "reads overwrite_main_grad"}
 REFUSED = "refused"
 # The incident (:mod:`incidents`) of an import hook that raised: the copy may be left unpatched.
 INSTALL_FAILURE = "install"
@@ -186,6 +192,7 @@ def apply_to(model: Any) -> int:
 def _watched_modules() -> list[str]:
     names = [copy.buffer_module for copy in registry.COPIES]
     names += [copy.model_module for copy in registry.COPIES]
+    names += [copy.core_linear_module for copy in registry.COPIES if copy.core_linear_module]
     return names + list(registry.REFUSED_MODULES)
 
 
@@ -211,7 +218,7 @@ def _handle(module: ModuleType, late: bool) -> None:
             _refuse(refused.detection)
         return
     for copy in registry.COPIES:
-        if name in (copy.buffer_module, copy.model_module):
+        if name in (copy.buffer_module, copy.model_module, copy.core_linear_module):
             record = _record_for(copy)
             if record is not None:
                 # The model module imports the buffer module, never the other way round: when
@@ -221,6 +228,17 @@ def _handle(module: ModuleType, late: bool) -> None:
                     _apply_fixes(record, copy, "model_module")
                     if late:
                         _repair_existing(record, module)
+                # ``import megatron.core`` loads the fused linear before Megatron-FSDP: it is
+                # patched once the copy is detected, from whichever of the two hooks runs last.
+                if _fully_imported(copy.core_linear_module):
+                    _apply_fixes(record, copy, "core_linear_module")
+
+
+def _fully_imported(name: str | None) -> bool:
+    """Whether module ``name`` is imported and done executing (not half-initialised)."""
+    module = sys.modules.get(name) if name else None
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)
 
 
 def _record_for(copy: Copy) -> CopyRecord | None:
@@ -259,6 +277,8 @@ def _fix_state_if_on(fix: Fix, found: Detection, settings: settings_module.Setti
     if unknown:
         return REFUSED, (f"it rests on {', '.join(unknown)}, whose code shape this hotfix does "
                          "not know in this copy, so the fix is not applied")
+    if fix.gate is not None and found.shapes and fix.gate not in found.shapes:
+        return "not needed", _NOT_NEEDED[fix.id]  # a copy read whole, without the gate's code
     reductions = [found.shapes.get(name) for name in fix.reductions]
     if reductions and all(shape is not None and not shape.reduces for shape in reductions):
         # the defect needs a synchronous reduction that reduces, whatever the gate's shape

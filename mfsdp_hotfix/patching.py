@@ -65,6 +65,37 @@ def wrap_attribute(owner: type, name: str, wrapper: Wrapper, fix_id: str,
     return undo
 
 
+def wrap_static_method(owner: type, name: str, wrapper: Wrapper, fix_id: str) -> Undo:
+    """Wrap the static method ``owner.name`` (called as ``wrapper(original, None, args,
+    kwargs)``; an autograd Function's ``backward``, which autograd looks up on the class at each
+    call) and return the undo."""
+    original = owner.__dict__[name]
+    function = getattr(original, "__func__", None)
+    if not isinstance(original, staticmethod) or not isinstance(function, types.FunctionType):
+        raise TypeError(f"{owner.__qualname__}.{name} is a {type(original).__name__}, not a "
+                        "static method: not the code shape this fix was written for")
+    if fix_of(function) == fix_id:
+        raise RuntimeError(f"{owner.__qualname__}.{name} already carries {fix_id}")
+
+    @functools.wraps(function)
+    def installed(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(function, None, args, kwargs)
+
+    setattr(installed, MARK, fix_id)
+    replacement = staticmethod(installed)
+    setattr(owner, name, replacement)
+
+    def undo() -> bool:
+        if owner.__dict__.get(name) is not replacement:
+            log.warning("mfsdp_hotfix: %s.%s was replaced again by someone else after %s; "
+                        "leaving it in place", owner.__qualname__, name, fix_id)
+            return False
+        setattr(owner, name, original)
+        return True
+
+    return undo
+
+
 def wrap_function(module: types.ModuleType, name: str, wrapper: Wrapper, fix_id: str) -> Undo:
     """Wrap the function ``module.name`` (called as ``wrapper(original, None, args, kwargs)``)
     and return the undo; only callers that look the name up at call time see the wrapper."""

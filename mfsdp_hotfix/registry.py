@@ -32,6 +32,12 @@ class Copy:
         """Defines ``MegatronFSDP``."""
         return f"{self.package}.megatron_fsdp"
 
+    @property
+    def core_linear_module(self) -> str | None:
+        """megatron-core's own fused linear (:data:`CORE_LINEAR_MODULE`), for the copy vendored in
+        megatron-core (``import megatron.core`` imports both); None for any other copy."""
+        return CORE_LINEAR_MODULE if self.package.startswith("megatron.core.") else None
+
 
 COPIES = (
     Copy("megatron-fsdp", "megatron_fsdp", "megatron-fsdp"),
@@ -227,6 +233,35 @@ SHAPES[BUCKET_REDUCE] = (
           note="scales the bucket it reduces"),
 )
 
+# megatron-core's own fused linear, outside Megatron-FSDP: ColumnParallelLinear and
+# RowParallelLinear (the GPT output layer of every Megatron-LM model, every layer with
+# --transformer-impl local) run their weight gradient through this backward. Read from the
+# megatron-core tree the vendored copy belongs to (tensor_parallel/layers.py); a copy outside
+# megatron-core, or a tree without that package, has none.
+CORE_LINEAR_MODULE = "megatron.core.tensor_parallel.layers"
+CORE_LINEAR_BACKWARD = "LinearWithGradAccumulationAndAsyncCommunication.backward"
+# With gradient_accumulation_fusion, a Megatron-FSDP weight's (``__fsdp_param__``) wgrad is
+# written into ``weight.get_main_grad()`` with ``out=`` and never added, whatever
+# overwrite_main_grad says: matmul in 0.14-0.17, TE's general_gemm (accumulate=False) in 0.18
+# and 0.19, ``_wgrad_gemm`` on NVIDIA main (NVIDIA/Megatron-LM#6624). Shape "0.14" is the text of
+# megatron-core 0.14.0-0.17.1, "0.18" of 0.18.0-0.18.2, "0.19" of 0.19.0-0.19.2.
+SHAPES[CORE_LINEAR_BACKWARD] = (
+    *(Shape(name, fingerprint, needs=frozenset({"core-linear-accumulate"}))
+      for name, fingerprint in (
+          ("0.14", "4505ae9d8664d268d98ef706ee0aa22a307e844e1050c239ce0efaf94c5406ac"),
+          ("0.18", "670004e49bac7e35199866812610ca8512362d2c25e698b45659a2719123c64d"),
+          ("0.19", "034d10a93552d91a5bfeb1362110606cb80fe818bc70698464970d69bc6d5dda"),
+          ("NVIDIA main d98e8a64dd",
+           "b068be53ef505268ec505a121ae9dbc72fd3944ca1bb672cd0aa13e3518100c6"))),
+    # Forks and later trees in their own words, told apart by whether the Megatron-FSDP branch
+    # reads overwrite_main_grad (the change proposed upstream, upstream/core_linear.patch).
+    Shape("overwrites a Megatron-FSDP main_grad", structure="fsdp_wgrad_overwrites",
+          needs=frozenset({"core-linear-accumulate"})),
+    Shape("follows overwrite_main_grad", structure="fsdp_wgrad_follows_overwrite_main_grad",
+          note="the Megatron-FSDP wgrad overwrites main_grad only where overwrite_main_grad "
+               "says so"),
+)
+
 # The shapes (getter, drain, wait) each verified release shipped, checked against every wheel by
 # tests/test_detection.py. Only these labels can make a copy a "verified release".
 _SHIPPED = (
@@ -324,8 +359,10 @@ class Fix:
     ``only_unguarded``: needed only where the getter's shape is unguarded.
     ``only_unordered``: not needed where the getter drains and the drain orders the caller's
     stream with at most pool-size units live (era "none": the change proposed upstream).
-    ``gate``: a model-module function (:data:`GATES`) whose shape decides the need (its
-    :attr:`Shape.needs`); an unknown shape there leaves the fix unverified, not the copy refused.
+    ``gate``: a model-module function (:data:`GATES`), or megatron-core's fused linear
+    (:data:`CORE_LINEAR_BACKWARD`), whose shape decides the need (its :attr:`Shape.needs`); an
+    unknown shape there leaves the fix unverified, not the copy refused; a gate whose code is not
+    in the copy's tree at all (megatron-core's linear beside megatron-fsdp): not needed.
     ``reductions``: buffer-module functions of which at least one must reduce
     (:attr:`Shape.reduces`) for the fix to be needed; an unknown shape there: unverified.
     """
@@ -395,10 +432,22 @@ SINGLE_RANK_REDUCE = Fix(
     "megatron-fsdp 0.6.1)",
     gate=HOOKS,
 )
+CORE_LINEAR_ACCUMULATE = Fix(
+    "core-linear-accumulate",
+    "megatron-core's own fused linear (ColumnParallelLinear, RowParallelLinear) adds a "
+    "Megatron-FSDP weight's wgrad into main_grad where overwrite_main_grad is False (unsharded "
+    "gradients, with zero1-accumulate or NVIDIA/Megatron-LM#6357), as TransformerEngine does",
+    (), False,
+    "not fixed upstream as of megatron-core 0.19.2 and NVIDIA main d98e8a64dd; proposed as the "
+    "upstream change 'megatron-core fused linear: accumulate into a Megatron-FSDP main_grad "
+    "unless overwrite_main_grad' (mfsdp-hotfix upstream/core_linear.patch)",
+    gate=CORE_LINEAR_BACKWARD,
+)
 # The double buffer's fixes (the eras); the others repair release defects outside it and rest on
 # none of the double buffer's functions, so they apply to a copy refused for those.
 DOUBLE_BUFFER_FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
-FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE, REDUCE_ONCE, SINGLE_RANK_REDUCE)
+FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE, REDUCE_ONCE, SINGLE_RANK_REDUCE,
+         CORE_LINEAR_ACCUMULATE)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
 
 
@@ -487,11 +536,11 @@ ZERO1_FUSED_WGRAD_OVERWRITE = ReleaseDefect(
      "fused wgrad accumulation off (gradient_accumulation_fusion=False)",
      "one microbatch per optimizer step"),
     ZERO1_ACCUMULATE.upstream,
-    "megatron-core's own fused linear (tensor_parallel/layers.py, the non-TransformerEngine "
-    "layers) overwrites main_grad of a Megatron-FSDP parameter whatever overwrite_main_grad "
-    "says, in every release and on NVIDIA main; MoE experts through TransformerEngine's op "
-    "fuser set overwrite_main_grad = True again in their forward pre-hook. Neither is repaired: "
-    "use a workaround there",
+    "MoE experts through TransformerEngine's op fuser set overwrite_main_grad = True again in "
+    "their forward pre-hook: not repaired, use a workaround there. megatron-core's own fused "
+    "linear (tensor_parallel/layers.py: the GPT output layer, every layer with "
+    "--transformer-impl local) overwrites main_grad whatever overwrite_main_grad says: that is "
+    "the release defect core-linear-fused-wgrad-overwrite, repaired by core-linear-accumulate",
 )
 UNSHARDED_GRADS_REDUCED_TWICE = ReleaseDefect(
     "unsharded-grads-reduced-twice",
@@ -518,6 +567,28 @@ UNSHARDED_GRADS_REDUCED_TWICE = ReleaseDefect(
     "DP-Outer all-reduce is only in the hooks' reduction, so reducing once there is wrong too "
     "(NVIDIA main, with NVIDIA/Megatron-LM#6357, as well). Building such a model is refused, "
     "whatever the fix's state; use overlap_grad_reduce=True",
+)
+CORE_LINEAR_FUSED_WGRAD_OVERWRITE = ReleaseDefect(
+    "core-linear-fused-wgrad-overwrite",
+    CORE_LINEAR_ACCUMULATE.id,
+    {"megatron-core": "0.14.0-0.19.2"},
+    "any megatron-core tree whose LinearWithGradAccumulationAndAsyncCommunication.backward "
+    "writes a Megatron-FSDP weight's wgrad into main_grad without reading overwrite_main_grad "
+    "(NVIDIA main as of d98e8a64dd, forks based on those releases)",
+    "ZeRO-1 (data_parallel_sharding_strategy='optim') with gradient_accumulation_fusion on "
+    "(Megatron-LM's default) in megatron-core's own linear layers (ColumnParallelLinear, "
+    "RowParallelLinear: the GPT output layer of every Megatron-LM model, every layer with "
+    "--transformer-impl local) and 2 or more microbatches per optimizer step",
+    "silently wrong gradients: each microbatch's weight gradient of those layers overwrites the "
+    "ones before it in the unsharded gradient buffer, even where zero1-accumulate (or "
+    "NVIDIA/Megatron-LM#6357) has set overwrite_main_grad = False",
+    ("fused wgrad accumulation off (gradient_accumulation_fusion=False, Megatron-LM's "
+     "--no-gradient-accumulation-fusion)",
+     "ZeRO-2 or ZeRO-3 (optim_grads, optim_grads_params)",
+     "one microbatch per optimizer step"),
+    CORE_LINEAR_ACCUMULATE.upstream,
+    "megatron-core 0.14.0, whose Megatron-FSDP sets no overwrite_main_grad, so the fix has "
+    "nothing to follow there: its ZeRO-1 through these layers stays wrong, use a workaround",
 )
 SINGLE_RANK_GRADS = ReleaseDefect(
     "single-rank-grads-reduced-every-microbatch",
@@ -593,7 +664,8 @@ UNSHARDED_SHARD_ADDED_TO_ITSELF = ReleaseDefect(
     carrier=BUCKET_REDUCE,
 )
 RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE, UNSHARDED_GRADS_REDUCED_TWICE, SINGLE_RANK_GRADS,
-                   SHARDED_GRADS_SUMMED_UNSCALED, UNSHARDED_SHARD_ADDED_TO_ITSELF)
+                   CORE_LINEAR_FUSED_WGRAD_OVERWRITE, SHARDED_GRADS_SUMMED_UNSCALED,
+                   UNSHARDED_SHARD_ADDED_TO_ITSELF)
 
 
 def defects_of(fixes: Mapping[str, str],

@@ -97,3 +97,28 @@ def git_tree(ref: str) -> Path | None:
 def git_commit(ref: str) -> str | None:
     tree = git_tree(ref)
     return (tree / ".commit").read_text()[:10] if tree is not None else None
+
+
+def git_core_tree(ref: str) -> Path | None:
+    """Folder holding megatron-core's ``megatron/core`` as of ``ref`` (a ``sys.path`` folder,
+    its ``megatron`` a namespace package); None when it is not cached and there is no clone
+    with that ref."""
+    target = CACHE / "git-core" / ref.replace("/", "-")
+    if (target / ".complete").exists():
+        return target
+    if MEGATRON_LM_GIT is None or not MEGATRON_LM_GIT.exists():
+        return None
+    git = ["git", "--git-dir", str(MEGATRON_LM_GIT)]
+    full = ref if ref.startswith("refs/") else f"refs/heads/{ref}"
+    found = subprocess.run(git + ["rev-parse", "--verify", "--quiet", full],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        return None
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    archive = subprocess.run(git + ["archive", full, "megatron/core"],
+                             capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    (target / ".commit").write_text(found.stdout.strip())
+    (target / ".complete").touch()
+    return target

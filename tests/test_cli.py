@@ -56,7 +56,8 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
-        "reduce-once": "would apply", "single-rank-reduce": "would apply"}
+        "reduce-once": "would apply", "single-rank-reduce": "would apply",
+        "core-linear-accumulate": "not needed"}
     assert [(x["fix"], x["covered"]) for x in copy["limits"]] == [
         ("getter-guard", True), ("ordered-drain", True), ("zero1-accumulate", True),
         ("reduce-once", False), ("reduce-once", False), ("reduce-once", True),
@@ -127,7 +128,7 @@ def test_switched_off_says_off_everywhere(fsdp_release) -> None:
     assert {k: fix["state"] for k, fix in data["copies"][0]["fixes"].items()} == {
         "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed",
         "zero1-accumulate": "off",
-        "reduce-once": "off", "single-rank-reduce": "off"}
+        "reduce-once": "off", "single-rank-reduce": "off", "core-linear-accumulate": "not needed"}
     for verbose in ((), ("--verbose",)):
         proc = run_python("", fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"},
                           args=("-m", "mfsdp_hotfix", "status", *verbose))
@@ -237,7 +238,8 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
     fixes = {fix: state["state"] for fix, state in data["copies"][0]["fixes"].items()}
     assert fixes == {"getter-guard": "refused", "ordered-drain": "refused",
                      "missed-post-backward": "not needed", "zero1-accumulate": "would apply",
-                     "reduce-once": "would apply", "single-rank-reduce": "would apply"}
+                     "reduce-once": "would apply", "single-rank-reduce": "would apply",
+        "core-linear-accumulate": "not needed"}
     assert [d["name"] for d in data["copies"][0]["release_defects"]] == [
         "zero1-fused-wgrad-overwrite", "unsharded-grads-reduced-twice",
         "single-rank-grads-reduced-every-microbatch"]

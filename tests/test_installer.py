@@ -54,7 +54,7 @@ def test_import_order(fsdp051: Path, order: str) -> None:
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied",
                            "reduce-once": "applied",
-        "single-rank-reduce": "applied"}
+        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed"}
     assert data["status"]["loaded_via"] == "import" and data["status"]["hotfix"] == "active"
 
 
@@ -78,13 +78,13 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply",
-        "single-rank-reduce": "would apply"}
+        "single-rank-reduce": "would apply", "core-linear-accumulate": "not needed"}
     assert data["status"]["hotfix"] == "active"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied",
                            "reduce-once": "applied",
-        "single-rank-reduce": "applied"}
+        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed"}
 
 
 def test_misspelt_variable_warns_once_at_install(fsdp051: Path) -> None:
@@ -102,7 +102,7 @@ def test_era_c_keeps_its_own_getter(fsdp_release) -> None:
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied",
                            "reduce-once": "applied",
-        "single-rank-reduce": "applied"}
+        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed"}
 
 
 def test_both_copies_in_one_process(fsdp051: Path) -> None:
@@ -128,7 +128,7 @@ print("REPORT" + __import__("json").dumps({"status": mfsdp_hotfix.status(),
                                                  "missed-post-backward": "not needed",
                                                  "zero1-accumulate": "applied",
                                                  "reduce-once": "applied",
-        "single-rank-reduce": "applied"}
+        "single-rank-reduce": "applied", "core-linear-accumulate": "applied"}
 
 
 def registry_vendored() -> str:
@@ -195,7 +195,7 @@ def test_disabled_fix_is_reported(fsdp051: Path) -> None:
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied",
                            "reduce-once": "applied",
-        "single-rank-reduce": "applied"}
+        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed"}
 
 
 @pytest.fixture
@@ -221,7 +221,7 @@ def test_refused_copy_warns_once_and_keeps_only_the_fixes_that_rest_on_none_of_i
     assert fixes(data) == {"getter-guard": "refused", "ordered-drain": "refused",
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied", "reduce-once": "applied",
-        "single-rank-reduce": "applied"}
+        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed"}
     (copy,) = data["status"]["copies"]
     assert copy["refused"] is True
     assert [(d["name"], d["repaired"]) for d in copy["release_defects"]] == [

@@ -25,7 +25,7 @@ def test_unset_is_on() -> None:
 
 def test_disabled_fixes() -> None:
     listed = ("getter-guard, ordered-drain, missed-post-backward, zero1-accumulate, reduce-once, "
-              "single-rank-reduce")
+              "single-rank-reduce, core-linear-accumulate")
     assert read(MFSDP_HOTFIX_DISABLED_FIXES=listed).disabled_fixes == registry.FIX_IDS
     assert read(MFSDP_HOTFIX_DISABLED_FIXES="*").disabled_fixes == registry.FIX_IDS
 

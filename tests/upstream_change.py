@@ -7,6 +7,9 @@ applied to the trees CI rebuilds: main's drain, getter and wait are the megatron
 wheel's (the same fingerprints, ``snapshots.MAIN_ERA_C``), so ``main.patch`` is applied to that
 wheel's copy; ``pr6316.patch`` to the rebuilt PR #6316 (``snapshots.py``). With a clone
 (``MFSDP_TEST_MEGATRON_LM``) they are applied to the real trees too.
+``upstream/core_linear.patch``, a change of its own to megatron-core's fused linear against
+``main``, has no rebuilt tree: it is applied (:func:`apply_at`) to main's real ``megatron/core``,
+from a clone.
 
 :func:`apply` is strict: every hunk's old lines (context and removed) must occur exactly once in
 the target file, or the patch "does not apply"; nothing is fuzzed.
@@ -31,6 +34,11 @@ UPSTREAM_TEST = (UPSTREAM / "tests" / "unit_tests" / "distributed" / "mfsdp_v1"
                  / "test_mfsdp_grad_reduce_ordering.py")
 # Where the patches' file lives in Megatron-LM (the vendored package).
 VENDORED = "megatron/core/distributed/fsdp/src/megatron_fsdp/"
+# The change of its own to megatron-core's fused linear (tensor_parallel/layers.py), against
+# main, and its upstream-style test.
+CORE_LINEAR_PATCH = UPSTREAM / "core_linear.patch"
+CORE_LINEAR_TEST = (UPSTREAM / "tests" / "unit_tests" / "tensor_parallel"
+                    / "test_mfsdp_fused_wgrad_accumulation.py")
 
 
 class DoesNotApply(Exception):
@@ -71,18 +79,31 @@ def apply(patch: Path, package: Path) -> list[str]:
     for name, hunks in parse(patch.read_text()).items():
         if not name.startswith(VENDORED):
             raise DoesNotApply(f"{name} is outside {VENDORED}")
-        target = package / name[len(VENDORED):]
-        text = target.read_text()
-        for number, hunk in enumerate(hunks, 1):
-            old, new = "".join(hunk.old), "".join(hunk.new)
-            found = text.count(old)
-            if found != 1:
-                raise DoesNotApply(f"{patch.name} hunk {number}: its old lines occur {found} "
-                                   f"times in {target}")
-            text = text.replace(old, new)
-        target.write_text(text)
+        _apply_hunks(patch, hunks, package / name[len(VENDORED):])
         changed.append(name)
     return changed
+
+
+def apply_at(patch: Path, root: Path) -> list[str]:
+    """Apply ``patch`` to a tree ``root`` that holds its files at their Megatron-LM paths
+    (``megatron/core/...``), as strictly as :func:`apply`; returns the files changed."""
+    changed = []
+    for name, hunks in parse(patch.read_text()).items():
+        _apply_hunks(patch, hunks, root / name)
+        changed.append(name)
+    return changed
+
+
+def _apply_hunks(patch: Path, hunks: list[Hunk], target: Path) -> None:
+    text = target.read_text()
+    for number, hunk in enumerate(hunks, 1):
+        old, new = "".join(hunk.old), "".join(hunk.new)
+        found = text.count(old)
+        if found != 1:
+            raise DoesNotApply(f"{patch.name} hunk {number}: its old lines occur {found} "
+                               f"times in {target}")
+        text = text.replace(old, new)
+    target.write_text(text)
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,80 @@ class McoreLinear(torch.nn.Module):
         return out
 
 
+class _Dispatch(torch.autograd.Function):
+    """Every rank's tokens to every rank (forward: all-gather over the expert-parallel group);
+    backward: this rank's rows of the gradient, which each rank computes whole."""
+
+    @staticmethod
+    def forward(ctx: Any, inp: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        pieces = [torch.empty_like(inp) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, inp.contiguous(), group=group)
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        import torch.distributed as dist
+
+        (grad,) = grads
+        mine = grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)]
+        return mine.contiguous(), None
+
+
+class _Combine(torch.autograd.Function):
+    """Each rank's own tokens back (forward: its rows); backward: every rank's gradient of its
+    own rows, all-gathered, as the combine all-to-all's backward returns them to the expert."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        return out.chunk(dist.get_world_size(group))[dist.get_rank(group)].clone()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        import torch.distributed as dist
+
+        (grad,) = grads
+        pieces = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(pieces, grad.contiguous(), group=ctx.group)
+        return torch.cat(pieces), None
+
+
+class Experts(torch.nn.Module):
+    """An MoE layer's experts where expert-parallel equals data-parallel (every rank one expert
+    group, so each expert's data-parallel group has one rank): the parameters carry
+    megatron-core's mark of an expert parameter (``allreduce = False``) and a name with
+    ``.experts.`` (how Megatron-FSDP tells them apart).
+
+    With ``group`` set (the expert-parallel group: every rank), the token dispatch is emulated
+    without routing: every rank's expert runs on every rank's tokens and each rank keeps its own
+    rows, so an expert's weight gradient is the sum over ranks of each rank's loss gradient, as
+    the all-to-all makes it in Megatron; Megatron scales it by 1/data-parallel size
+    (``expert_gradient_scaling_factor``), which makes the mean over ranks, the reference's.
+    ``group`` None (the reference): a plain MLP."""
+
+    def __init__(self, hidden: int, cls: Callable[[int, int], torch.nn.Module],
+                 width: int) -> None:
+        super().__init__()
+        self.fc1 = cls(hidden, width * hidden)
+        self.fc2 = cls(width * hidden, hidden)
+        for param in self.parameters():
+            param.allreduce = False  # type: ignore[attr-defined]
+        self.group: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            x = _Dispatch.apply(x, self.group)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = self.fc2(torch.tanh(self.fc1(x)))
+        if self.group is not None:
+            out = _Combine.apply(out, self.group)  # type: ignore[no-untyped-call]
+        return out
+
+
 class Unit(torch.nn.Module):
     """One FSDP unit, pre-norm: ``x + fc2(tanh(fc1(norm(x))))``.
 
@@ -122,19 +196,26 @@ class Unit(torch.nn.Module):
     gradient bucket before the LayerNorm's own gradient arrives, so the bucket is first taken
     through the lazy getter.  A norm at the end of the unit would take it first through
     Megatron-FSDP's guarded ``_grad_acc`` path and hide the defect.
+    ``expert``: fc1 and fc2 are an MoE layer's :class:`Experts` (the norm stays dense).
     """
 
-    def __init__(self, hidden: int, linear: str = "emulated", width: int = 2) -> None:
+    def __init__(self, hidden: int, linear: str = "emulated", width: int = 2,
+                 expert: bool = False) -> None:
         super().__init__()
         cls = {"mcore": McoreLinear, "unfused": UnfusedLinear,
                "overwrite": OverwritingLinear}.get(linear, FusedWgradLinear)
-        self.fc1 = cls(hidden, width * hidden)
-        self.fc2 = cls(width * hidden, hidden)
+        self.experts = Experts(hidden, cls, width) if expert else None
+        if self.experts is None:
+            self.fc1 = cls(hidden, width * hidden)
+            self.fc2 = cls(width * hidden, hidden)
         self.norm = torch.nn.LayerNorm(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
-        return out
+        if self.experts is not None:
+            mlp: torch.Tensor = self.experts(self.norm(x))
+        else:
+            mlp = self.fc2(torch.tanh(self.fc1(self.norm(x))))
+        return x + mlp
 
 
 class Stack(torch.nn.Module):
@@ -149,11 +230,12 @@ class Stack(torch.nn.Module):
     """
 
     def __init__(self, hidden: int, units: int, linear: str = "emulated",
-                 unit: Callable[[], torch.nn.Module] | None = None, wide_units: int = 0) -> None:
+                 unit: Callable[[], torch.nn.Module] | None = None, wide_units: int = 0,
+                 experts: int = 0) -> None:
         super().__init__()
-        make = unit if unit is not None else (lambda: Unit(hidden, linear))
         self.units = torch.nn.ModuleList(
-            Unit(hidden, linear, width=4) if i < wide_units and unit is None else make()
+            unit() if unit is not None else Unit(hidden, linear, width=4 if i < wide_units else 2,
+                                                 expert=i >= units - experts)
             for i in range(units))
         self.head = torch.nn.Identity()
 
@@ -168,12 +250,13 @@ class Stack(torch.nn.Module):
 
 
 def build(hidden: int, units: int, seed: int, linear: str = "emulated",
-          dtype: torch.dtype = torch.float32, wide_units: int = 0) -> Stack:
-    """Same seed, same weights: the FSDP ranks and the reference all start from this."""
+          dtype: torch.dtype = torch.float32, wide_units: int = 0, experts: int = 0) -> Stack:
+    """Same seed, same weights: the FSDP ranks and the reference all start from this.
+    ``experts``: that many units, the last ones, hold their MLP as :class:`Experts`."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = Stack(hidden, units, linear, wide_units=wide_units)
+        model = Stack(hidden, units, linear, wide_units=wide_units, experts=experts)
         with torch.no_grad():  # LayerNorm starts at (1, 0); perturb so its grads are not trivial
             for unit in model.unit_list():
                 unit.norm.weight.add_(0.1 * torch.randn(hidden))

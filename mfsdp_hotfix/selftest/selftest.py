@@ -1,8 +1,11 @@
-"""``mfsdp-hotfix selftest``: the same case without and with the hotfix, as a before/after table.
+"""``mfsdp-hotfix selftest``: the same case without and with the hotfix, as a before/after table,
+on two ranks and on one.
 
 Why: a user can see, on their own installation and without a GPU, that the hotfix loads, what it
-changes and that the gradients still match plain PyTorch.  Both runs happen in fresh
+changes and that the gradients still match plain PyTorch.  Every run happens in fresh
 subprocesses ("without" = ``MFSDP_HOTFIX=0``); nothing is patched in the caller's process.
+The one-rank runs are there because a group of one rank (every one-GPU job) has defects of its
+own that two ranks never show.
 """
 
 from __future__ import annotations
@@ -46,15 +49,23 @@ def verdict(result: CaseResult) -> str:
     return "ok"
 
 
+WITHOUT, WITH = "without hotfix", "with hotfix"
+ONE_RANK = ", one rank"  # the names of the one-rank runs end so
+
+
 def conclusion(runs: list[tuple[str, CaseResult]]) -> tuple[bool, str]:
-    """The selftest's one verdict: PASS when the run with the hotfix is ``ok``.
+    """The selftest's one verdict: PASS when every run with the hotfix is ``ok`` (two ranks,
+    and one rank where it ran).
 
     The last line of the output, ``selftest: PASS: ...`` or ``selftest: FAIL: ...``, is made
     for scripts (grep it, or use the exit status, 0 for PASS).
     """
     outcome = dict(runs)
-    after, before = outcome["with hotfix"], outcome.get("without hotfix")
-    passed = verdict(after) == "ok"
+    after, before = outcome[WITH], outcome.get(WITHOUT)
+    alone, alone_before = outcome.get(WITH + ONE_RANK), outcome.get(WITHOUT + ONE_RANK)
+    failed = [(where, result) for where, result in (("", after), (" at one rank", alone))
+              if result is not None and verdict(result) != "ok"]
+    passed = not failed
     disagree = [name for name, result in runs if result.spec.audit and not audit_agrees(result)]
     release = after.release or (before.release if before else {}) or {}
     what = (f"{release.get('dist')} {release.get('version')}" if release.get("dist")
@@ -62,12 +73,17 @@ def conclusion(runs: list[tuple[str, CaseResult]]) -> tuple[bool, str]:
     if passed:
         detail = (f"with the hotfix, {what} ran without a crash, gradients equal plain "
                   f"PyTorch, 0 unordered of {after.ordering_checks or 0} gradient-slot reuses")
+        if alone is not None:
+            detail += ", and at one rank gradients equal plain PyTorch too"
     else:
-        detail = f"with the hotfix, {what}: {verdict(after)}: {_MEANING[verdict(after)]}"
-        if after.exception:
-            detail += f" ({after.exception.splitlines()[0][:200]})"
+        where, result = failed[0]
+        detail = f"with the hotfix, {what}{where}: {verdict(result)}: {_MEANING[verdict(result)]}"
+        if result.exception:
+            detail += f" ({result.exception.splitlines()[0][:200]})"
     if before is not None:
         detail += f"; without it: {verdict(before)}"
+        if alone_before is not None:
+            detail += f", at one rank {verdict(alone_before)}"
     if disagree:
         passed = False
         detail += (f"; the audit does not match the stand-in's counts in: {', '.join(disagree)} "
@@ -106,7 +122,8 @@ def cannot_run(runs: list[tuple[str, CaseResult]]) -> str | None:
 
 def audit_phase(name: str, result: CaseResult) -> dict[str, Any]:
     """One phase of ``selftest --audit``: the audit's counts next to the stand-in's."""
-    return {"phase": name, "hotfix": result.spec.hotfix != "off", "verdict": verdict(result),
+    return {"phase": name, "hotfix": result.spec.hotfix != "off", "ranks": result.spec.world,
+            "verdict": verdict(result),
             "audit_reuses": result.audit_reuses, "audit_unordered": result.audit_unordered,
             "standin_reuses": result.ordering_checks,
             "standin_unordered": result.ordering_violations,
@@ -177,8 +194,10 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
     run (tests pass a caching one).  ``audit``: run both with ``MFSDP_HOTFIX_AUDIT`` set and
     compare the audit's counts with the stand-in's. ``protocol``: how microbatches are driven
     (``protocol.PROTOCOLS``; default: the spec's, Megatron-LM's).
-    Returns ``[("without hotfix", result), ("with hotfix", result)]``, or only the first when
-    the copy asked for cannot be imported (:func:`cannot_run`).
+    Then the same at one rank (``world=1``): a size-one group, as in every one-GPU job.
+    Returns ``[("without hotfix", result), ("with hotfix", result), ("without hotfix, one
+    rank", result), ("with hotfix, one rank", result)]``, or only the first when the copy asked
+    for cannot be imported (:func:`cannot_run`).
     """
     stream = out if out is not None else sys.stdout
     base = CaseSpec(**(spec if spec is not None else CaseSpec()).__dict__)
@@ -187,8 +206,10 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
     if protocol is not None:
         base.protocol = protocol
     runs: list[tuple[str, CaseResult]] = []
-    for name, mode in (("without hotfix", "off"), ("with hotfix", "on")):
-        case = CaseSpec(**{**base.__dict__, "hotfix": mode})
+    plan = [(name + suffix, mode, world) for suffix, world in (("", base.world), (ONE_RANK, 1))
+            for name, mode in ((WITHOUT, "off"), (WITH, "on"))]
+    for name, mode, world in plan:
+        case = CaseSpec(**{**base.__dict__, "hotfix": mode, "world": world})
         tick = _ticker(stream, name) if progress else None
         if progress:
             stream.write(f"selftest: running {name}: {case.label()} ...\n")

@@ -54,6 +54,12 @@ class CaseSpec:
     ``grad_comm_dtype``: ``MixedPrecisionPolicy(grad_comm_dtype=...)`` (e.g. "bfloat16"): the
     gradients are reduced in that dtype, in buckets of its own (with HSDP, from the
     ``hsdp_grad_comm`` pool too).
+    ``experts``: that many units, the last ones, hold their MLP as an MoE layer's experts with
+    expert-parallel equal to data-parallel, as megatron-core lays it out: the expert parameters
+    are marked as megatron-core marks them and ``fully_shard_model`` gets an expert device mesh
+    whose data-parallel dimension has one rank (``expt_device_mesh``; a release without it fails
+    the case). Every rank's expert sees every rank's tokens (``model.Experts``), so the
+    reference is the same mean over ranks as for the other parameters. Not with HSDP.
     """
 
     flavour: str = "auto"
@@ -82,6 +88,7 @@ class CaseSpec:
     grad_comm_dtype: str | None = None
     protocol: str = DEFAULT_PROTOCOL
     overlap_grad_reduce: bool = True
+    experts: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -119,6 +126,8 @@ class CaseSpec:
                                                    if self.outer != 1 else ""))
         if self.grad_comm_dtype:
             bits.append(f"gradients reduced in {self.grad_comm_dtype}")
+        if self.experts:
+            bits.append(f"{self.experts} expert unit(s), expert-parallel = data-parallel")
         if self.audit:
             bits.append("audit on")
         return ", ".join(bits)

@@ -84,7 +84,9 @@ def _gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]],
                  shard_ranks: int | None = None) -> dict[str, Any]:
     """Full gradients from the ranks' row shards (Megatron-FSDP shards dim 0, rank order).
 
-    A rank whose shard of a parameter is empty has ``grad is None`` there.
+    A rank whose shard of a parameter is empty has ``grad is None`` there. An expert parameter
+    (``.experts.`` in its name) is whole on every rank (its data-parallel group has one rank):
+    rank 0's is taken.
 
     Written here rather than taken from the release: its uneven-DTensor gather uses an
     all-gather of unequal sizes, which gloo refuses.
@@ -101,7 +103,8 @@ def _gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]],
     # HSDP: the first DP-Outer group's shards make a whole; no_shard: rank 0's gradients
     shards = shards[:shard_ranks]
     for name, shape in shapes.items():
-        pieces = [s[name].reshape(-1, *shape[1:]) for s in shards if name in s]
+        owners = shards[:1] if ".experts." in name else shards
+        pieces = [s[name].reshape(-1, *shape[1:]) for s in owners if name in s]
         if not pieces:
             raise AssertionError(f"no rank has a gradient for {name} after finish_grad_sync")
         joined = torch.cat(pieces, dim=0)
@@ -136,7 +139,8 @@ def wrap(release: Any, module: Any, unit_cls: type, strategy: str,
          double_buffer: bool, device: Any, per_token_loss: bool = False,
          options: dict[str, Any] | None = None, outer: int = 1,
          grad_comm_dtype: str | None = None, protocol: str = accumulation.DEFAULT,
-         div_fusion: bool = False, overlap_grad_reduce: bool = True) -> Any:
+         div_fusion: bool = False, overlap_grad_reduce: bool = True,
+         experts: bool = False) -> Any:
     """``fully_shard_model`` over all ranks of the default group, as a (ranks, 1) dp/tp mesh
     (megatron-fsdp 0.5.x needs a registered TP submesh), with the options this release accepts;
     ``options`` must all be accepted. ``outer`` > 1: HSDP, an (outer, ranks/outer, 1) mesh.
@@ -146,7 +150,10 @@ def wrap(release: Any, module: Any, unit_cls: type, strategy: str,
     sets ``sync_model_each_microbatch``, which the release must accept.
     ``div_fusion``: keep the release's ``gradient_reduce_div_fusion=True`` (PREMUL_SUM: on gloo
     only with ``premul.install()``); False scales the buffer, then reduces with SUM.
-    ``overlap_grad_reduce``: False reduces ZeRO-1 / no_shard gradients in ``finish_grad_sync``."""
+    ``overlap_grad_reduce``: False reduces ZeRO-1 / no_shard gradients in ``finish_grad_sync``.
+    ``experts``: the module has expert parameters (``model.Experts``), expert-parallel over all
+    ranks: ``expt_device_mesh`` is an (expert-data-parallel 1, tp 1) mesh of this rank, as
+    megatron-core's adapter builds it; a release without that option fails."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -161,6 +168,12 @@ def wrap(release: Any, module: Any, unit_cls: type, strategy: str,
         hybrid = {"dp_outer_dim": "dp_outer", "hybrid_fsdp_group": flat.get_group()}
     else:
         mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("fsdp", "tp"))
+    if experts:
+        if outer > 1:
+            raise ValueError("harness: expert units are not built with HSDP")
+        per_expert = init_device_mesh(device.type, (world, 1, 1),
+                                      mesh_dim_names=("ep", "fsdp", "tp"))
+        hybrid["expt_device_mesh"] = per_expert["fsdp", "tp"]
     if grad_comm_dtype is not None:
         import torch
 
@@ -211,7 +224,8 @@ def _reference(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any) -> list[di
     the ranks' sums then averaged; otherwise each microbatch is averaged over ranks first."""
     from mfsdp_hotfix.selftest import model as model_lib
 
-    ref = model_lib.build(spec.hidden, spec.units, spec.seed, "plain", dtype, spec.wide_units)
+    ref = model_lib.build(spec.hidden, spec.units, spec.seed, "plain", dtype, spec.wide_units,
+                          spec.experts)
     ranks = inputs.shape[2]
     once = accumulation.reduces_once(spec.protocol, spec.strategy, spec.outer)
     out: list[dict[str, Any]] = []
@@ -299,11 +313,17 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
                                 spec.iterations, spec.seed + 7, dtype)
     try:
         net = model_lib.build(spec.hidden, spec.units, spec.seed, spec.linear, dtype,
-                              spec.wide_units)
+                              spec.wide_units, spec.experts)
+        if spec.experts:  # expert-parallel over every rank: a group of their own
+            expert_parallel = dist.new_group(list(range(world)))
+            for module in net.modules():
+                if isinstance(module, model_lib.Experts):
+                    module.group = expert_parallel
         fsdp = wrap(fully_shard, net, model_lib.Unit, spec.strategy, spec.double_buffer,
                     torch.device("cpu"), spec.grad_reduce == "per-token", spec.options,
                     spec.outer, spec.grad_comm_dtype, spec.protocol,
-                    spec.grad_reduce == "premul-sum", spec.overlap_grad_reduce)
+                    spec.grad_reduce == "premul-sum", spec.overlap_grad_reduce,
+                    bool(spec.experts))
         if spec.hotfix == "late":
             import mfsdp_hotfix
 

@@ -16,7 +16,7 @@ def test_before_after_on_an_era_a_release() -> None:
     out = io.StringIO()
     runs = run_selftest(path=release_path("megatron-fsdp", "0.4.0"), flavour="standalone",
                         out=out, runner=run_cached)
-    (before_name, before), (after_name, after) = runs
+    (before_name, before), (after_name, after) = runs[:2]
     assert (before_name, after_name) == ("without hotfix", "with hotfix")
     assert before.crashed and "No buffer found" in (before.exception or ""), describe(before)
     assert not after.crashed and after.max_abs_grad_error == 0.0, describe(after)
@@ -31,6 +31,20 @@ def test_before_after_on_an_era_a_release() -> None:
     assert lines[2].split()[:4] == ["without", "hotfix", "CRASH", "yes"]
     assert lines[3].split()[:4] == ["with", "hotfix", "ok", "no"]
     assert text.splitlines()[-1].startswith("selftest: PASS: with the hotfix, megatron-fsdp 0.4.0")
+
+
+def test_the_selftest_runs_one_rank_too() -> None:
+    """A group of one rank (every one-GPU job) has defects two ranks never show: the selftest
+    runs the same case at one rank, without and with the hotfix, and PASS needs the one-rank run
+    with the hotfix to equal plain PyTorch (megatron-fsdp 0.6.1 as shipped: wrong)."""
+    out = io.StringIO()
+    runs = dict(run_selftest(path=release_path("megatron-fsdp", "0.6.1"), flavour="standalone",
+                             out=out, runner=run_cached, progress=False))
+    alone, alone_after = runs["without hotfix, one rank"], runs["with hotfix, one rank"]
+    assert alone.spec.world == alone_after.spec.world == 1
+    assert not alone.crashed and alone.max_abs_grad_error, describe(alone)
+    assert alone_after.grads_match(1e-5), describe(alone_after)
+    assert out.getvalue().splitlines()[-1].startswith("selftest: PASS: "), out.getvalue()[-2000:]
 
 
 def test_nothing_importable_is_reported_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:

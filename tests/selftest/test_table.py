@@ -73,6 +73,28 @@ def test_a_copy_that_cannot_be_imported_as_shipped_cannot_run(
                        ("with hotfix", CaseResult(spec=spec, cannot_import=missing))]) is None
 
 
+def test_a_wrong_one_rank_run_fails_the_selftest() -> None:
+    """The one-rank runs count: PASS needs them ``ok`` with the hotfix, and the line names a
+    one-rank failure as such."""
+    from mfsdp_hotfix.selftest.selftest import conclusion
+
+    release = {"dist": "megatron-fsdp", "version": "0.6.1"}
+    fine = _result(crashed=False, max_abs_grad_error=0.0, ordering_checks=36,
+                   ordering_violations=0, release=release)
+    wrong = _result(crashed=False, max_abs_grad_error=0.5, ordering_checks=0,
+                    ordering_violations=0, release=release)
+    passed, line = conclusion([("without hotfix", fine), ("with hotfix", fine),
+                               ("without hotfix, one rank", wrong),
+                               ("with hotfix, one rank", wrong)])
+    assert not passed and line.startswith("selftest: FAIL: with the hotfix, megatron-fsdp 0.6.1 "
+                                          "at one rank: WRONG GRADS")
+    assert line.endswith("without it: ok, at one rank WRONG GRADS")
+    passed, line = conclusion([("without hotfix", fine), ("with hotfix", fine),
+                               ("without hotfix, one rank", wrong),
+                               ("with hotfix, one rank", fine)])
+    assert passed and "and at one rank gradients equal plain PyTorch too" in line
+
+
 def test_case_labels_are_plain_words() -> None:
     label = CaseSpec(hotfix="off").label()
     assert label == ("the Megatron-FSDP copy importable here, hotfix off (MFSDP_HOTFIX=0), ZeRO-3, "
