@@ -71,9 +71,15 @@ def _sharded(model: Any) -> bool:
 def has_one_rank_gradient_group(model: Any) -> bool:
     """Whether a gradient buffer of ``model`` (a built ``MegatronFSDP``) is reduced over a
     data-parallel group of one rank."""
-    return any(group.main_grad_buffer is not None
-               and group.main_grad_buffer.data_parallel_group.size() == 1
-               for group in model.param_and_grad_buffer.parameter_groups)
+    return bool(one_rank_gradient_groups(model))
+
+
+def one_rank_gradient_groups(model: Any) -> list[Any]:
+    """The parameter groups of ``model`` (a built ``MegatronFSDP``) whose gradient buffer is
+    reduced over a data-parallel group of one rank (each carries ``is_expert_param``)."""
+    return [group for group in model.param_and_grad_buffer.parameter_groups
+            if group.main_grad_buffer is not None
+            and group.main_grad_buffer.data_parallel_group.size() == 1]
 
 
 def _scales_before_summing_a_shard(model: Any) -> bool:

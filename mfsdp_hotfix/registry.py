@@ -663,6 +663,12 @@ UNSHARDED_SHARD_ADDED_TO_ITSELF = ReleaseDefect(
     "(UnsupportedConfiguration) while the hotfix is loaded",
     carrier=BUCKET_REDUCE,
 )
+# The first releases after those whose one-rank reduction adds the buffer onto itself
+# (megatron-fsdp 0.3.x, megatron-core 0.16), by distribution: from these on one microbatch per
+# step keeps a one-rank buffer right (SINGLE_RANK_GRADS's first workaround) and
+# single-rank-reduce repairs HSDP too (its not_covered). The audit takes a copy labelled before
+# them, or with no release label, as one that may add the buffer onto itself.
+SINGLE_RANK_NO_SELF_ADD_FROM = {"megatron-fsdp": "0.4.0", "megatron-core": "0.17.0"}
 RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE, UNSHARDED_GRADS_REDUCED_TWICE, SINGLE_RANK_GRADS,
                    CORE_LINEAR_FUSED_WGRAD_OVERWRITE, SHARDED_GRADS_SUMMED_UNSCALED,
                    UNSHARDED_SHARD_ADDED_TO_ITSELF)

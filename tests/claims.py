@@ -1101,7 +1101,7 @@ claim("docs/CLI.md", "{}: COMMAND cannot be started", EXITS,  # run's and audit'
 claim("docs/CLI.md", "| {}: holds no Megatron-FSDP copy", EXITS,
       lambda e: (e["NOTHING_FOUND"],))
 claim("docs/CLI.md", "| {} for a finding (", EXITS,
-      lambda e: (only((e["UNORDERED"], e["CRASH"])),))
+      lambda e: (only((e["UNORDERED"], e["CRASH"], e["WRONG GRADIENTS"])),))
 claim("docs/CLI.md", "COMMAND's status when it failed ({} + N after signal N); else {} when "
       "nothing or not everything was checked", EXITS,
       lambda e: (e["SIGNALLED"], only((e["UNWATCHED"], e["INCOMPLETE"], e["NOT CHECKED"],

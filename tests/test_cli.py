@@ -503,3 +503,42 @@ def test_a_reader_that_goes_away_leaves_the_check_status(fsdp_release, armed: bo
         proc.stdout.close()  # no reader: every write gets EPIPE
         stderr = proc.stderr.read().decode()
         assert proc.wait(timeout=120) == code and stderr == "", stderr
+
+
+SIZE_ONE_WHEN = (
+    "      when: ZeRO-2/3 (optim_grads, optim_grads_params) where a gradient buffer's "
+    "data-parallel group has one rank: every run with data-parallel size 1 (one GPU, or all of "
+    "them given to tensor/pipeline/context parallelism), and the expert gradients of MoE runs "
+    "whose expert-parallel size equals their data-parallel size;")
+
+
+@pytest.mark.parametrize(("armed", "env", "state", "unfixed"), [
+    (True, {}, "repaired (single-rank-reduce: would apply)", None),
+    (False, {"MFSDP_HOTFIX": "0"}, "NOT repaired (single-rank-reduce: off)",
+     "single-rank-reduce off (MFSDP_HOTFIX=0)"),
+    (True, {"MFSDP_HOTFIX_DISABLED_FIXES": "single-rank-reduce"},
+     "NOT repaired (single-rank-reduce: disabled)",
+     "single-rank-reduce disabled (listed in MFSDP_HOTFIX_DISABLED_FIXES)")],
+    ids=["armed", "off", "disabled"])
+def test_status_tells_a_one_rank_user_whether_the_size_one_defect_is_repaired(
+        fsdp_release, armed: bool, env: dict[str, str], state: str, unfixed: str | None
+) -> None:
+    """An installed 0.6.1: --verbose names the defect, the configurations it strikes (data-
+    parallel size 1; experts with expert-parallel size equal to the data-parallel size) and
+    whether it is repaired; --check fails exactly where it is not, as the first line says."""
+    path = [ARMED] if armed else []
+    proc = run_python("", *path, fsdp_release("0.6.1"), env=env,
+                      args=("-m", "mfsdp_hotfix", "status", "--verbose", "--check"))
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == (0 if unfixed is None else 1), proc.stdout + proc.stderr
+    assert f"    release defect single-rank-grads-reduced-every-microbatch: {state}" in lines
+    assert any(line.startswith(SIZE_ONE_WHEN) for line in lines), proc.stdout
+    if unfixed is None:
+        assert " — protected: the hotfix is armed and applies ordered-drain, zero1-accumulate, " \
+            "reduce-once, single-rank-reduce" in lines[0], lines[0]
+        return
+    assert " — NOT protected: " in lines[0] and lines[0].endswith(
+        "; for single-rank-grads-reduced-every-microbatch use one microbatch per step, on "
+        "megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later"), lines[0]
+    left = lines[lines.index("Left unfixed:") + 1:]
+    assert any(line.endswith(f": {unfixed}") for line in left), left

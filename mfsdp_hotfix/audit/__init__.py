@@ -1,5 +1,7 @@
 """On-the-job audit: does every reuse of a gradient-pool slot wait for the reduce-scatter that
-last read it, in this job, on these GPUs, with this release or fork?
+last read it, in this job, on these GPUs, with this release or fork? And where a gradient
+buffer's data-parallel group has one rank (no slot is reused there), is the releases' size-one
+group defect repaired in it (``copies.OneRankGrads``)?
 
 Switched on by ``MFSDP_HOTFIX_AUDIT=<path>`` (or ``mfsdp-hotfix audit --out <path> -- ...``);
 without it this package is never imported and nothing is wrapped. ``install()`` arms it, also
@@ -104,7 +106,8 @@ class _Audit:
         for copy in registry.COPIES:
             wrapt.register_post_import_hook(functools.partial(self._buffer_imported, copy),
                                             copy.buffer_module)
-            wrapt.register_post_import_hook(self._model_imported, copy.model_module)
+            wrapt.register_post_import_hook(functools.partial(self._model_imported, copy),
+                                            copy.model_module)
             wrapt.register_post_import_hook(functools.partial(self._v2_imported, copy),
                                             f"{v2.package(copy)}.{v2.MODULE}")
         for name in registry.REFUSED_MODULES:
@@ -161,18 +164,23 @@ class _Audit:
         except Exception as exc:
             self.fail(f"auditing {copy.label}", exc)
 
-    def _model_imported(self, module: ModuleType) -> None:
+    def _model_imported(self, copy: registry.Copy, module: ModuleType) -> None:
         if not self._live():
             return
         try:
             with _lock:
                 if module.__name__ not in self._models:
                     self._models.add(module.__name__)
-                    undo = watch_model_module(module, self.after_step, self.fail)
+                    undo = watch_model_module(module, self.after_step,
+                                              functools.partial(self._record, copy), self.fail)
                     if undo is not None:
                         self._undo_models.append(undo)
         except Exception as exc:
             self.fail(f"auditing {module.__name__}", exc)
+
+    def _record(self, copy: registry.Copy) -> CopyAudit | None:
+        """The copy's record while the audit is live (its models tell it what they are)."""
+        return self.copies.get(copy.package) if self._live() else None
 
     def _v2_imported(self, copy: registry.Copy, module: ModuleType) -> None:
         if not self._live():

@@ -7,23 +7,85 @@ slot-reuse rule (``slot_reuse.observe``) and ``MegatronFSDP.finish_grad_sync`` a
 which the rank file may be rewritten. A copy whose classes are not the shape the rule needs is
 listed with a note and ``audited: false`` instead, which the summary reads as UNWATCHED; so is
 a Megatron-FSDP v2 model (:mod:`mfsdp_hotfix.v2`), which has no pool to watch.
+
+A job whose gradient buffers have a data-parallel group of one rank reuses no slot, so the rule
+has nothing to check there; what matters for it is the size-one group defect
+(``registry.SINGLE_RANK_GRADS``). So each model's ``forward`` and ``zero_grad_buffer`` are
+watched too: at its first forward the model's one-rank ZeRO-2/3 gradient buffers are counted
+(:class:`OneRankGrads`), and its forwards with gradients between two ``zero_grad_buffer`` calls
+are the microbatches it accumulates, on which the defect depends.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .. import detection, registry, slot_reuse, v2
+from .. import coverage, detection, registry, slot_reuse, v2, versions
 from ..happens_before import Mark
 from ..patching import Undo, wrap_attribute
 from ..registry import Copy
 from .observer import MARKER, Observer
 
 SlotReuseRule = slot_reuse.SlotReuse[Mark]
+# The configuration (ZeRO-2/3) in which a one-rank gradient buffer has the size-one group defect.
+_SIZE_ONE = next(limit for limit in coverage.LIMITS if limit.fix == registry.SINGLE_RANK_REDUCE.id)
+
+
+@dataclass
+class OneRankGrads:
+    """A copy's ZeRO-2/3 gradient buffers whose data-parallel group has one rank, over the
+    models it built, and the most microbatches one of those models accumulated."""
+
+    dense: int = 0
+    expert: int = 0  # parameter groups of expert parameters (``is_expert_param``)
+    hybrid: int = 0  # of all those, HSDP's (a DP-Shard group of one rank)
+    microbatches: int = 0
+    # per model seen: forwards with gradients since its last zero_grad_buffer
+    _forwards: weakref.WeakKeyDictionary[Any, int] = field(
+        default_factory=weakref.WeakKeyDictionary)
+    _one_rank: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+
+    def forwarded(self, model: Any) -> None:
+        """A forward with gradients of ``model`` (a ``MegatronFSDP``): one more microbatch."""
+        self.seen(model)
+        self._forwards[model] = forwards = self._forwards[model] + 1
+        if model in self._one_rank:
+            self.microbatches = max(self.microbatches, forwards)
+
+    def zeroed(self, model: Any) -> None:
+        """``model.zero_grad_buffer()``: its next forward starts an accumulation."""
+        self.seen(model)
+        self._forwards[model] = 0
+
+    def seen(self, model: Any) -> None:
+        """Count ``model``'s one-rank gradient buffers, once (also for a model whose forward
+        does not go through ``MegatronFSDP.forward``: from its ``finish_grad_sync``)."""
+        if model in self._forwards:
+            return
+        self._forwards[model] = 0
+        if not _SIZE_ONE.matches(model):
+            return
+        groups = coverage.one_rank_gradient_groups(model)
+        if not groups:
+            return
+        self._one_rank.add(model)
+        experts = sum(1 for group in groups if group.is_expert_param)
+        self.dense += len(groups) - experts
+        self.expert += experts
+        if model.param_and_grad_buffer.dist_index.use_hybrid_fsdp:
+            self.hybrid += len(groups)
+
+    def as_dict(self, defect: str, may_self_add: bool) -> dict[str, Any] | None:
+        if not self.dense + self.expert:
+            return None
+        return {"dense": self.dense, "expert": self.expert, "hsdp": self.hybrid,
+                "microbatches": self.microbatches, "defect": defect,
+                "may_self_add": may_self_add}
 
 
 @dataclass
@@ -37,6 +99,10 @@ class CopyAudit:
     note: str | None = None
     watched: list[str] = field(default_factory=list)  # pool allocator classes wrapped
     undo: list[Undo] = field(default_factory=list)
+    # its code has the size-one group defect: "yes", "no", or "unknown" (hooks' shape unknown)
+    single_rank_defect: str = "unknown"
+    may_self_add: bool = True  # its one-rank reduction may add the buffer onto itself
+    one_rank: OneRankGrads = field(default_factory=OneRankGrads)
 
     def as_dict(self, fixes: list[str]) -> dict[str, Any]:
         found: dict[str, Any] = self.rule.summary() if self.rule is not None else {}
@@ -49,7 +115,9 @@ class CopyAudit:
                 "first_unordered": first[0], "crashed": crash is not None, "crash": crash,
                 "watched": self.watched, "grad_pools": found.get("grad_pools"),
                 "grad_pools_unordered": found.get("grad_pools_unordered"),
-                "unwatched_pools": found.get("unwatched_pools", []), "note": self.note}
+                "unwatched_pools": found.get("unwatched_pools", []), "note": self.note,
+                "one_rank_grads": self.one_rank.as_dict(self.single_rank_defect,
+                                                        self.may_self_add)}
 
 
 def watch_buffer_module(copy: Copy, module: ModuleType, observer: Observer,
@@ -57,6 +125,7 @@ def watch_buffer_module(copy: Copy, module: ModuleType, observer: Observer,
     """Classify the copy (for the report) and put the slot-reuse rule on its pools."""
     found = detection.detect_module(copy, module)
     audit = CopyAudit(copy.package, found.version, found.era.name if found.era else None)
+    audit.single_rank_defect, audit.may_self_add = single_rank_defect(copy, found)
     if found.refused:
         audit.note = f"refused by the hotfix: {found.reason}"
     allocators, missing = slot_reuse.watchable(module)
@@ -75,9 +144,29 @@ def watch_buffer_module(copy: Copy, module: ModuleType, observer: Observer,
     return audit
 
 
+def single_rank_defect(copy: Copy, found: detection.Detection) -> tuple[str, bool]:
+    """Whether the copy's code has the size-one group defect ("yes", "no", "unknown"), and
+    whether its one-rank reduction may add the buffer onto itself (unless its code has a known
+    shape and its release label is ``registry.SINGLE_RANK_NO_SELF_ADD_FROM`` or later)."""
+    if found.shapes.get(registry.HOOKS) is None:
+        return "unknown", True
+    if not found.needs(registry.SINGLE_RANK_REDUCE):
+        return "no", True
+    from packaging.version import Version
+
+    release = versions.final_release(found.version)
+    first = registry.SINGLE_RANK_NO_SELF_ADD_FROM.get(copy.distribution)
+    return "yes", release is None or first is None or Version(release) < Version(first)
+
+
 def watch_model_module(module: ModuleType, after_step: Callable[[], None],
+                       record: Callable[[], CopyAudit | None],
                        on_error: Callable[[str, Exception], None]) -> Undo | None:
-    """Call ``after_step`` after every ``MegatronFSDP.finish_grad_sync`` (None: no such method)."""
+    """Call ``after_step`` after every ``MegatronFSDP.finish_grad_sync``, and tell the copy's
+    ``record()`` of every forward with gradients and ``zero_grad_buffer`` of a model (None: no
+    ``MegatronFSDP.finish_grad_sync``)."""
+    import torch
+
     model = getattr(module, "MegatronFSDP", None)
     if model is None or "finish_grad_sync" not in model.__dict__:
         return None
@@ -86,12 +175,42 @@ def watch_model_module(module: ModuleType, after_step: Callable[[], None],
                  kwargs: dict[str, Any]) -> Any:
         result = wrapped(*args, **kwargs)
         try:
+            found = record()
+            if found is not None:
+                found.one_rank.seen(instance)
             after_step()
         except Exception as exc:
             on_error("MegatronFSDP.finish_grad_sync", exc)
         return result
 
-    return wrap_attribute(model, "finish_grad_sync", finished, MARKER)
+    def told(name: str, tell: Callable[[OneRankGrads, Any], None]) -> Any:
+        def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+            try:
+                found = record()
+                if found is not None and (name != "forward" or torch.is_grad_enabled()):
+                    tell(found.one_rank, instance)
+            except Exception as exc:
+                on_error(f"MegatronFSDP.{name}", exc)
+            return wrapped(*args, **kwargs)
+
+        return wrapper
+
+    undos = [wrap_attribute(model, "finish_grad_sync", finished, MARKER)]
+    try:
+        undos.append(wrap_attribute(model, "forward", told("forward", OneRankGrads.forwarded),
+                                    MARKER))
+        undos.append(wrap_attribute(model, "zero_grad_buffer",
+                                    told("zero_grad_buffer", OneRankGrads.zeroed), MARKER))
+    except Exception:
+        for undo in reversed(undos):
+            undo()
+        raise
+
+    def undo_all() -> bool:
+        return all([undo() for undo in reversed(undos)])
+
+    return undo_all
 
 
 def watch_v2_module(copy: Copy, module: ModuleType, built: Callable[[CopyAudit], None],

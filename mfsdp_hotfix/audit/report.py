@@ -3,9 +3,11 @@
 
 Rank file ``<path>.rank<N>.json``: ``{"rank", "world_size", "final", "finish_grad_sync_calls",
 "audit", "copies": [{"package", "version", "era", "fixes", "audited", "reuses", "unordered",
-"unseen", "first_unordered", "crashed", "crash", "note"}]}``. ``unseen``: slot reuses after a
-reduce-scatter whose event the audit never saw recorded (it was armed late, or the code records
-events in a way it does not observe); they are not judged.
+"unseen", "first_unordered", "crashed", "crash", "note", "one_rank_grads"}]}``. ``unseen``: slot
+reuses after a reduce-scatter whose event the audit never saw recorded (it was armed late, or the
+code records events in a way it does not observe); they are not judged. ``one_rank_grads``: the
+copy's ZeRO-2/3 gradient buffers whose data-parallel group has one rank (null: none), which the
+size-one group defect (``registry.SINGLE_RANK_GRADS``) makes wrong unless repaired.
 
 The file is written after every ``finish_grad_sync`` (so a job killed mid-run still leaves its
 last step's counts) and at exit (a crash is recorded then): one small file per rank, written to
@@ -27,6 +29,8 @@ import os
 import re
 from datetime import timedelta
 from typing import Any
+
+from ..registry import SINGLE_RANK_GRADS, SINGLE_RANK_REDUCE
 
 log = logging.getLogger("mfsdp_hotfix")
 
@@ -117,6 +121,16 @@ VERDICTS: dict[str, tuple[str, str, int]] = {
               "mfsdp_hotfix/slot_reuse.py in the traceback are the audit's observer, which "
               "passes the release's errors on unchanged",
               "load the hotfix, or run with fsdp_double_buffer=False", 3),
+    "WRONG GRADIENTS": ("a ZeRO-2/3 gradient buffer's data-parallel group has one rank "
+                        "(data-parallel size 1; experts with expert-parallel size equal to the "
+                        "data-parallel size) and the release defect "
+                        "single-rank-grads-reduced-every-microbatch is not repaired there: the "
+                        "releases reduce that buffer in every microbatch, so its gradients are "
+                        "wrong as shipped (the lines above say which buffers, and why the "
+                        "repair is missing)",
+                        "load the hotfix, whose single-rank-reduce repairs it (`mfsdp-hotfix "
+                        "status --verbose` says whether it applies); without it, the "
+                        "workarounds above", 3),
     "UNWATCHED": ("a Megatron-FSDP copy, or a gradient pool it built, is of a shape the audit "
                   "cannot watch (an allocator or hooks it does not know): nothing about it was "
                   "checked",
@@ -150,7 +164,8 @@ def worst(verdicts: list[str]) -> str:
     return min(verdicts, key=_ORDER.index)
 
 
-FOUND = 3  # the exit status of a finding: UNORDERED or CRASH
+FOUND = 3  # the exit status of a finding: UNORDERED, CRASH or WRONG GRADIENTS
+WRONG = "WRONG GRADIENTS"
 
 
 def exit_status(verdict: str, command_status: int) -> int:
@@ -165,8 +180,62 @@ def exit_status(verdict: str, command_status: int) -> int:
     return command_status or VERDICTS[verdict][2]
 
 
+def one_rank(copy: dict[str, Any]) -> tuple[str, int, str] | None:
+    """The size-one group defect in one copy's record: ``(state, buffers, words)``, the state
+    ``wrong`` (not repaired, and this job is in its configuration), ``repaired`` (by
+    single-rank-reduce) or ``right`` (not repaired, but one microbatch per step on a release
+    that gets that right); None where no ZeRO-2/3 gradient buffer has a one-rank group or the
+    copy's code has no such defect. A release that may add the buffer onto itself
+    (``may_self_add``) is wrong from one microbatch on, and under HSDP not repaired."""
+    found = copy.get("one_rank_grads")
+    if not found or found.get("defect") == "no":
+        return None
+    dense, expert, hybrid = (int(found.get(k) or 0) for k in ("dense", "expert", "hsdp"))
+    kinds = [f"{n} {kind}" for n, kind in ((dense, "dense"), (expert, "expert")) if n]
+    buffers = (" and ".join(kinds) + " ZeRO-2/3 gradient buffer(s) whose data-parallel group "
+               "has one rank" + (f" ({hybrid} of them under HSDP: a DP-Shard group of one "
+                                 "rank)" if hybrid else ""))
+    defect = f"the size-one group defect ({SINGLE_RANK_GRADS.name})"
+    applied = SINGLE_RANK_REDUCE.id in (copy.get("fixes") or [])
+    self_add = found.get("may_self_add", True)
+    if applied and not (hybrid and self_add):
+        return "repaired", dense + expert, (f"{buffers}: {defect} applies to this job and is "
+                                            f"repaired by {SINGLE_RANK_REDUCE.id}")
+    why = (f"{SINGLE_RANK_REDUCE.id} does not cover it here: not covered is "
+           f"{SINGLE_RANK_GRADS.not_covered}, and a copy without such a release's label or a "
+           "later one is taken as one of those" if applied else
+           f"{SINGLE_RANK_REDUCE.id} is not applied to this copy (the hotfix is off, or the fix "
+           "is disabled, refused or unverified: `mfsdp-hotfix status --verbose` says which)")
+    if found.get("defect") != "yes":
+        why += ", and the hotfix does not know its hooks' code shape, so it may have the defect"
+    microbatches = int(found.get("microbatches") or 0)
+    if microbatches == 1 and not self_add:
+        return "right", dense + expert, (
+            f"{buffers}: {defect} applies and is not repaired, because {why}; this job "
+            f"accumulated one microbatch per step, which {copy.get('version')} gets right, but "
+            "with 2 or more its gradients are wrong: load the hotfix")
+    steps = (f"up to {microbatches} microbatches per step" if microbatches > 1 else
+             "1 microbatch per step" if microbatches else "microbatches per step not seen")
+    return "wrong", dense + expert, (f"{buffers}: {defect} is not repaired, because {why}; "
+                                     f"its gradients are wrong as shipped ({steps})")
+
+
 def copy_verdict(copy: dict[str, Any]) -> tuple[str, str | None]:
-    """One copy's verdict on one rank (or summed over ranks), and why when it is not a count."""
+    """One copy's verdict on one rank (or summed over ranks), and why when it is not a count
+    (or, where a one-rank gradient buffer has the size-one group defect, what it is)."""
+    verdict, why = _slot_verdict(copy)
+    size_one = one_rank(copy)
+    if size_one is None:
+        return verdict, why
+    state, _, words = size_one
+    if state == "wrong" and worst([verdict, WRONG]) == WRONG:
+        return WRONG, words
+    if verdict == "NOT CHECKED":
+        return verdict, f"{why}; {words}"
+    return verdict, why
+
+
+def _slot_verdict(copy: dict[str, Any]) -> tuple[str, str | None]:
     pools = copy.get("grad_pools")
     if copy.get("audited") is False:
         return "UNWATCHED", copy.get("note") or "not audited"
@@ -189,22 +258,27 @@ def copy_verdict(copy: dict[str, Any]) -> tuple[str, str | None]:
 
 
 def _used(copy: dict[str, Any]) -> bool:
-    """A copy that built a gradient pool, saw anything, or could not be watched."""
+    """A copy that built a gradient pool, saw anything, could not be watched, or built a
+    one-rank gradient buffer that has the size-one group defect."""
     return copy.get("grad_pools") != {} or bool(
         copy.get("reuses") or copy.get("crashed") or copy.get("unseen")
-        or copy.get("unwatched_pools") or copy.get("audited") is False)
+        or copy.get("unwatched_pools") or copy.get("audited") is False) \
+        or one_rank(copy) is not None
 
 
 def totals(report: dict[str, Any]) -> dict[str, int]:
     """One rank's numbers, summed over its copies."""
     copies = report.get("copies", [])
     used = [c for c in copies if _used(c)]
+    size_one = [found for found in map(one_rank, copies) if found is not None]
     return {"reuses": sum(int(c.get("reuses", 0)) for c in copies),
             "unordered": sum(int(c.get("unordered", 0)) for c in copies),
             "unseen": sum(int(c.get("unseen", 0)) for c in copies),
             "crashed": int(any(c.get("crashed") for c in copies)),
             "disabled": int(bool(report.get("audit", "on") != "on")),
-            "unwatched": sum(copy_verdict(c)[0] == "UNWATCHED" for c in used)}
+            "unwatched": sum(copy_verdict(c)[0] == "UNWATCHED" for c in used),
+            **{f"one_rank_{state}": sum(n for s, n, _ in size_one if s == state)
+               for state in ("wrong", "repaired", "right")}}
 
 
 def exchange(store: Any, rank: int, world: int, mine: dict[str, int], timeout_s: float
@@ -233,7 +307,10 @@ def job_line(found: dict[int, dict[str, int]], world: int, path: str, timeout_s:
     unseen = sum(t.get("unseen", 0) for t in found.values())
     silent = [r for r in range(world) if r not in found]
     unwatched = [r for r, t in found.items() if t.get("unwatched")]
+    size_one = {state: {r: t[f"one_rank_{state}"] for r, t in found.items()
+                        if t.get(f"one_rank_{state}")} for state in ("wrong", "repaired", "right")}
     verdict = ("UNORDERED" if unordered else "CRASH" if crashed else
+               WRONG if size_one["wrong"] else
                "UNWATCHED" if unwatched else "INCOMPLETE" if silent or disabled or unseen else
                "NOT CHECKED" if not reuses else "ordered")
     parts = [f"mfsdp_hotfix audit, {world} rank{'s' if world > 1 else ''}: {verdict}: "
@@ -242,6 +319,15 @@ def job_line(found: dict[int, dict[str, int]], world: int, path: str, timeout_s:
         parts.append(f"unordered on ranks {_ranks(sorted(unordered))}")
     if crashed:
         parts.append(f"'No buffer found' crash on ranks {_ranks(crashed)}")
+    defect = f"the size-one group defect ({SINGLE_RANK_GRADS.name})"
+    for state, told in (("wrong", "is not repaired there: gradients wrong as shipped"),
+                        ("right", "is not repaired there, right with one microbatch per step "
+                                  "only"),
+                        ("repaired", f"is repaired there by {SINGLE_RANK_REDUCE.id}")):
+        if size_one[state]:
+            parts.append(f"{sum(size_one[state].values())} gradient buffer(s) whose "
+                         f"data-parallel group has one rank on ranks "
+                         f"{_ranks(sorted(size_one[state]))}: {defect} {told}")
     if unwatched:
         parts.append(f"a copy or gradient pool the audit cannot watch on ranks "
                      f"{_ranks(unwatched)}")
@@ -316,6 +402,9 @@ def summarise(reports: dict[int, dict[str, Any]], path: str, unwritable: str | N
                                               "unordered_ranks": [], "crashed": [],
                                               "first": None, "notes": set(), "verdicts": []})
             entry["verdicts"].append(copy_verdict(copy))
+            size_one = one_rank(copy)
+            if size_one is not None:
+                entry.setdefault("size_one", {}).setdefault(size_one[2], []).append(rank)
             entry["used"] = entry.get("used", False) or _used(copy)
             pools = entry.setdefault("pools", {})
             for pool, reuses in (copy.get("grad_pools") or {}).items():
@@ -344,7 +433,14 @@ def summarise(reports: dict[int, dict[str, Any]], path: str, unwritable: str | N
                      f"{entry['reuses']} gradient-slot reuses"
                      + (f" ({entry['unseen']} more not judged: their reduce-scatter was not "
                         "seen)" if entry["unseen"] else "")
-                     + (f" [{why}]" if why and verdict in ("UNWATCHED", "NOT CHECKED") else ""))
+                     + (f" [{why}]" if why and verdict in ("UNWATCHED", "NOT CHECKED")
+                        else ""))
+        if verdict != "NOT CHECKED":  # its reason in brackets says it already
+            for words, ranks in entry.get("size_one", {}).items():
+                lines.append(f"  one-rank gradient buffers, ranks {_ranks(ranks)}: {words}")
+        if verdict == WRONG:
+            lines.append("  workarounds without the hotfix: "
+                         + "; or ".join(SINGLE_RANK_GRADS.workarounds))
         if entry.get("pools"):
             lines.append("  gradient pools: " + ", ".join(
                 f"{pool}: {u} unordered of {n}" for pool, (u, n) in entry["pools"].items()))

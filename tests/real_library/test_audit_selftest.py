@@ -37,7 +37,8 @@ def test_selftest_audit_agrees_with_the_stand_in_on_0_5_1() -> None:
     assert {k: copy[k] for k in ("package", "version", "era", "fixes", "audited", "unordered",
                                  "first_unordered", "crashed")} == {
         "package": "megatron_fsdp", "version": "0.5.1", "era": "B",
-        "fixes": ["getter-guard", "ordered-drain", "reduce-once", "zero1-accumulate"],
+        "fixes": ["getter-guard", "ordered-drain", "reduce-once", "single-rank-reduce",
+                  "zero1-accumulate"],
         "audited": True,
         "unordered": 0,
         "first_unordered": None, "crashed": False}
@@ -103,15 +104,86 @@ def test_audit_command_summarises_a_torchrun_job(tmp_path: Path) -> None:
                              for p in (tmp_path / "job").glob("audit.rank*.json")}
     assert sorted(files) == ["audit.rank0.json", "audit.rank1.json"]
     assert all(f["final"] and f["copies"][0]["unordered"] > 0 for f in files.values())
+    # two data-parallel ranks: no one-rank gradient buffer, and not a word of one
+    assert all(f["copies"][0]["one_rank_grads"] is None for f in files.values())
+    assert "one rank" not in text and "size-one" not in text, text[-4000:]
 
 
-def _audit_job(tmp_path: Path, release: Path, spec: CaseSpec, hotfix: str = "0") -> Any:
+def _audit_job(tmp_path: Path, release: Path, spec: CaseSpec, hotfix: str = "0",
+               ranks: int = 2) -> Any:
     return run_python(
         "", release, env={"MFSDP_HOTFIX": hotfix, "GLOO_SOCKET_IFNAME": "lo"},
         args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "job" / "audit"), "--",
               sys.executable, "-m", "torch.distributed.run", "--standalone",
-              "--nproc-per-node", "2", str(REPO / "tests/real_library/audit_job.py"),
+              "--nproc-per-node", str(ranks), str(REPO / "tests/real_library/audit_job.py"),
               spec.to_json(), str(tmp_path / "store")))
+
+
+SIZE_ONE = ("5 dense ZeRO-2/3 gradient buffer(s) whose data-parallel group has one rank: the "
+            "size-one group defect (single-rank-grads-reduced-every-microbatch)")
+
+
+HSDP = ("5 dense ZeRO-2/3 gradient buffer(s) whose data-parallel group has one rank (5 of them "
+        "under HSDP: a DP-Shard group of one rank): the size-one group defect "
+        "(single-rank-grads-reduced-every-microbatch)")
+
+
+@pytest.mark.parametrize(("hotfix", "outer", "status", "words"), [
+    ("0", 1, 3, f"{SIZE_ONE} is not repaired, because single-rank-reduce is not applied to this "
+                "copy"),
+    ("1", 1, 4, f"{SIZE_ONE} applies to this job and is repaired by single-rank-reduce]"),
+    ("0", 2, 3, f"{HSDP} is not repaired, because single-rank-reduce is not applied"),
+    ("1", 2, 4, f"{HSDP} applies to this job and is repaired by single-rank-reduce]")],
+    ids=["shipped", "hotfix", "hsdp-shipped", "hsdp-hotfix"])
+def test_one_rank_says_whether_the_size_one_group_defect_is_repaired(
+        tmp_path: Path, hotfix: str, outer: int, status: int, words: str) -> None:
+    """A data-parallel group of one rank, ZeRO-3, 2 microbatches per step: one rank, or HSDP
+    over two ranks with a DP-Shard group of one. No slot is reused, and before, every one ended
+    NOT CHECKED, also as shipped, whose gradients are wrong (the selftest runner's reference
+    comparison, tests/fixes/test_single_rank_reduce.py)."""
+    spec = CaseSpec(flavour="standalone", iterations=1, world=outer, outer=outer,
+                    microbatches=2)
+    out = _audit_job(tmp_path, Path(release_path("megatron-fsdp", "0.6.1")), spec, hotfix,
+                     ranks=outer)
+    text = out.stdout + out.stderr
+    assert out.returncode == status, text[-4000:]
+    verdict = "WRONG GRADIENTS" if status == 3 else "NOT CHECKED"
+    ranks = f"{outer} rank{'s' if outer > 1 else ''}"
+    assert f"mfsdp_hotfix audit, {ranks}: {verdict}: 0 unordered of 0" in text, text[-4000:]
+    assert words in out.stdout, out.stdout
+    assert out.stdout.splitlines()[-1].startswith(f"audit: {verdict}: "), out.stdout
+    if status == 3:
+        assert "its gradients are wrong as shipped (up to 2 microbatches per step)" in out.stdout
+        assert "  workarounds without the hotfix: one microbatch per step" in out.stdout
+    for written in (json.loads(p.read_text()) for p in (tmp_path / "job").glob("audit.rank*")):
+        assert written["copies"][0]["one_rank_grads"] == {
+            "dense": 5, "expert": 0, "hsdp": 5 if outer > 1 else 0, "microbatches": 2,
+            "defect": "yes", "may_self_add": False}
+
+
+@pytest.mark.parametrize(("release", "hotfix", "status", "words"), [
+    ("0.6.1", "1", 4, f"{SIZE_ONE} applies to this job and is repaired by single-rank-reduce]"),
+    ("0.6.1", "0", 4, "this job accumulated one microbatch per step, which 0.6.1 gets right, but "
+                      "with 2 or more its gradients are wrong: load the hotfix]"),
+    # 0.3.x adds the buffer onto itself: wrong from one microbatch on
+    ("0.3.1", "0", 3, f"{SIZE_ONE} is not repaired, because single-rank-reduce is not applied "
+                      "to this copy")],
+    ids=["0.6.1-hotfix", "0.6.1-shipped", "0.3.1-shipped"])
+def test_the_example_job_on_one_rank_tells_the_size_one_group_defect(
+        tmp_path: Path, release: str, hotfix: str, status: int, words: str) -> None:
+    """examples/train_fsdp.py with torchrun --nproc-per-node 1, as a one-GPU user runs it under
+    the audit (docs/AUDIT.md, "An example job"): one microbatch per step."""
+    out = run_python(
+        "", Path(release_path("megatron-fsdp", release)),
+        env={"MFSDP_HOTFIX": hotfix, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
+        args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "run1"), "--",
+              sys.executable, "-m", "torch.distributed.run", "--standalone",
+              "--nproc-per-node", "1", str(REPO / "examples" / "train_fsdp.py")))
+    text = out.stdout + out.stderr
+    assert out.returncode == status, text[-4000:]
+    assert words in out.stdout, out.stdout
+    verdict = "WRONG GRADIENTS" if status == 3 else "NOT CHECKED"
+    assert out.stdout.splitlines()[-1].startswith(f"audit: {verdict}: "), out.stdout
 
 
 def test_audit_command_sees_the_maxpool_race_as_shipped(tmp_path: Path) -> None:
