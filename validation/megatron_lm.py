@@ -43,6 +43,7 @@ import concurrent.futures as cf
 import gzip
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -60,6 +61,7 @@ if REPO not in sys.path:  # mfsdp_hotfix.selftest.processes, where the package i
     sys.path.append(REPO)
 
 import comparison  # noqa: E402  (no torch at import)
+import mlm_verdict  # noqa: E402
 import workdir  # noqa: E402
 from mlm_probe import mfsdp_val_unit_probe  # noqa: E402
 
@@ -85,7 +87,8 @@ ROW_KEYS = ("id", "group", "release", "dp", "launcher", "zero", "dtype", "overla
             "overlap_param_gather", "recompute", "moe", "variant", "delay_ms", "serialized",
             "outcome", "rel_l2", "max_abs", "first_bad_step", "iterations", "grad_pool",
             "grad_pool_allocations", "audit", "error")
-OUTCOMES = ("exact", "wrong", "crash", "unsupported", "ok", "ran, no truth", "not run")
+OUTCOMES = ("exact", "float noise", "wrong", "crash", "refused", "unsupported", "ok",
+            "ran, no truth", "not run")
 
 
 # ------------------------------------------------------------------------- the checkout
@@ -164,14 +167,22 @@ def missing_test_modules(root: str, folder: str) -> list[str]:
 # ------------------------------------------------------------------------- the plan
 def case(group: str, release: str, *, dp: int = 2, zero: int = 3, dtype: str = "fp32",
          ogr: bool = True, recompute: bool = False, moe: bool = False, variant: str = "shipped",
-         delay_ms: float = 0.0, serialized: bool = False, impl: str = "te") -> dict[str, Any]:
-    """``impl``: ``te`` (TE layers, fused wgrad accumulation: the default route) or ``local``
-    (megatron-core's own layers, ``--no-gradient-accumulation-fusion``: runs without TE)."""
-    sharding = {v: k for k, v in ZERO.items()}[zero]
+         delay_ms: float = 0.0, serialized: bool = False, impl: str = "te",
+         fusion: bool | None = None, fsdp: bool = True, deterministic: bool = False
+         ) -> dict[str, Any]:
+    """``impl``: ``te`` (TE layers) or ``local`` (megatron-core's own layers; TE importable only
+    with ``fusion``, ``needs_te``).
+    ``fusion``: fused wgrad accumulation; by default on with TE layers (Megatron-LM's default)
+    and off with local layers. ``fsdp=False``: Megatron's own ``DistributedDataParallel`` with
+    the distributed optimizer instead of Megatron-FSDP (``zero`` is then 0). ``deterministic``:
+    ``--deterministic-mode``."""
+    zero = zero if fsdp else 0
     c = dict(group=group, release=release, dp=dp, launcher="fake" if dp == 2 else "torchrun",
-             impl=impl, zero=zero, sharding=sharding, dtype=dtype, overlap_grad_reduce=ogr,
-             overlap_param_gather=ogr, recompute=recompute, moe=moe, variant=variant,
-             db=variant != "db-off", delay_ms=0.0 if serialized else float(delay_ms),
+             impl=impl, fsdp=fsdp, zero=zero, sharding={v: k for k, v in ZERO.items()}.get(zero),
+             fusion=(impl == "te") if fusion is None else fusion, deterministic=deterministic,
+             dtype=dtype, overlap_grad_reduce=ogr, overlap_param_gather=ogr,
+             recompute=recompute, moe=moe, variant=variant,
+             db=fsdp and variant != "db-off", delay_ms=0.0 if serialized else float(delay_ms),
              serialized=serialized, iterations=ITERS, microbatches=MICROBATCHES)
     c["config"] = config_key(c)
     c["id"] = f"{c['config']}|{variant}|" + ("serialized" if serialized else f"d{delay_ms:g}")
@@ -179,10 +190,15 @@ def case(group: str, release: str, *, dp: int = 2, zero: int = 3, dtype: str = "
 
 
 def config_key(c: dict[str, Any]) -> str:
-    extra = [x for x, on in (("local", c["impl"] == "local"), ("recompute", c["recompute"]),
-                             ("moe", c["moe"]),
-                             ("no-overlap", not c["overlap_grad_reduce"])) if on]
-    return "|".join([c["release"], f"dp{c['dp']}", f"zero{c['zero']}", c["dtype"]] + extra)
+    fusion_default = c["impl"] == "te"
+    extra = [x for x, on in (("local", c["impl"] == "local"),
+                             ("fused" if c["fusion"] else "unfused",
+                              c["fusion"] != fusion_default),
+                             ("recompute", c["recompute"]), ("moe", c["moe"]),
+                             ("no-overlap", not c["overlap_grad_reduce"]),
+                             ("det", c["deterministic"])) if on]
+    layout = f"zero{c['zero']}" if c["fsdp"] else "ddp"
+    return "|".join([c["release"], f"dp{c['dp']}", layout, c["dtype"]] + extra)
 
 
 def truth_variant(c: dict[str, Any]) -> str:
@@ -204,6 +220,52 @@ def configurations(release: str, dp: int, zero: int, dtype: str, ogr: bool = Tru
 
 GROUPS = ("local", "core", "dp1", "zero1", "unit", "extras")
 MORE_GROUPS = ("core3", "core2", "local3", "local2", "dp1-local")  # halves, or without TE
+# judged against a reference that is not the code under test (``reference_cases``)
+REFERENCE_GROUPS = ("ddp", "ddp-local", "fused", "fused-local", "moe-ref")
+
+
+def reference_cases(group: str, release: str) -> list[dict[str, Any]]:
+    """The runs of a ``REFERENCE_GROUPS`` group, fp32 and ``--deterministic-mode``, each judged
+    by ``mlm_verdict`` against its reference (``judge``: the reference's id; a reference is
+    ``judged``; ``set``: the reference's id, which ``pipelined`` keeps together):
+
+    * ``ddp`` (TE layers), ``ddp-local`` (local layers): world size 1 through ``torchrun`` and
+      NCCL; the reference is ``DistributedDataParallel`` + the distributed optimizer with the
+      wgrad apart (``--no-gradient-accumulation-fusion``: fusion in megatron-core's own linear
+      needs APEX, which the machine lacks); judged are Megatron-FSDP ZeRO-1/2/3, fused wgrad
+      accumulation on and off, as shipped and with the hotfix, by the reported losses and grad
+      norm;
+    * ``fused``, ``fused-local``: two data-parallel ranks through ``--fake-process-group``;
+      each ZeRO level and variant fused against the same run unfused, by the reported values
+      and the reduced gradient;
+    * ``moe-ref``: a MoE model (expert-parallel size 1), ZeRO-3 with fused wgrad: at world size
+      1 against DDP, and at two ranks fused against unfused.
+
+    Expert-parallel size equal to the data-parallel size is not here: the fake group's
+    all-to-all moves no tokens between its ranks."""
+    impl = "local" if group.endswith("-local") else "te"
+    moe = group == "moe-ref"
+    zeros = (3,) if moe else (1, 2, 3)
+    kw = dict(dtype="fp32", deterministic=True, impl=impl, moe=moe)
+    out: list[dict[str, Any]] = []
+    if group.startswith("ddp") or moe:
+        ref = dict(case(group, release, dp=1, fsdp=False, fusion=False, **kw), judged=True)
+        ref["set"] = ref["id"]
+        out.append(ref)
+        for fusion in (True,) if moe else (True, False):
+            for zero in zeros:
+                out += [dict(case(group, release, dp=1, zero=zero, fusion=fusion, variant=v,
+                                  **kw), judge=ref["id"], set=ref["id"])
+                        for v in ("shipped", "hotfix")]
+    if group.startswith("fused") or moe:
+        for zero in zeros:
+            for v in ("shipped", "hotfix"):
+                unfused = dict(case(group, release, zero=zero, fusion=False, variant=v, **kw),
+                               judged=True)
+                unfused["set"] = unfused["id"]
+                out += [unfused, dict(case(group, release, zero=zero, fusion=True, variant=v,
+                                           **kw), judge=unfused["id"], set=unfused["id"])]
+    return out
 
 
 def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
@@ -245,6 +307,9 @@ def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
             for rel in releases_here:
                 for ogr in (True, False):
                     out.extend(configurations(rel, 2, 1, "fp32", ogr=ogr, group="zero1"))
+        elif group in REFERENCE_GROUPS:
+            for rel in releases_here:
+                out.extend(reference_cases(group, rel))
         elif group == "unit":
             for rel in releases_here:
                 out.extend(dict(group="unit", release=rel, variant=v, impl="te",
@@ -257,7 +322,7 @@ def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:
                 out.extend(configurations(rel, 2, 3, "bf16", moe=True, group="extras"))
         else:
             raise ValueError(f"unknown group {group!r} (known: "
-                             f"{', '.join(GROUPS + MORE_GROUPS)})")
+                             f"{', '.join(GROUPS + MORE_GROUPS + REFERENCE_GROUPS)})")
     ids = [c["id"] for c in out]
     assert len(ids) == len(set(ids)), "a case is planned twice"
     return out
@@ -279,17 +344,24 @@ def pretrain_args(c: dict[str, Any], size: dict[str, int] = SIZE) -> list[str]:
          "--num-workers", 0,
          "--position-embedding-type", "rope", "--no-rope-fusion", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights", "--hidden-dropout", 0,
-         "--attention-dropout", 0,
-         "--use-megatron-fsdp", "--data-parallel-sharding-strategy", c["sharding"],
-         "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+         "--attention-dropout", 0]
+    if c["fsdp"]:
+        a += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", c["sharding"],
+              "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+    else:  # the reference: Megatron's own DDP (the default) with the distributed optimizer
+        a += ["--use-distributed-optimizer"]
     if c["impl"] == "te":
         a += ["--transformer-impl", "transformer_engine", "--attention-backend", "unfused"]
     else:
         # the local layer spec always takes megatron-core's DotProductAttention
         # and, without TE or APEX, none of Megatron's fused CUDA kernels: bf16 would take the
         # fused softmax (scaled_masked_softmax_cuda)
-        a += ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
-              "--no-persist-layer-norm", "--no-masked-softmax-fusion"]
+        a += ["--transformer-impl", "local", "--no-persist-layer-norm",
+              "--no-masked-softmax-fusion"]
+    if not c["fusion"]:
+        a.append("--no-gradient-accumulation-fusion")
+    if c["deterministic"]:
+        a.append("--deterministic-mode")
     if c["db"]:
         a.append("--fsdp-double-buffer")
     if c["overlap_grad_reduce"]:
@@ -330,11 +402,20 @@ keys = ("data_parallel_size", "world_size", "use_megatron_fsdp", "fsdp_double_bu
         "data_parallel_sharding_strategy", "overlap_grad_reduce", "overlap_param_gather",
         "use_distributed_optimizer", "gradient_accumulation_fusion", "bf16", "fp8",
         "recompute_granularity", "recompute_method", "num_experts", "moe_grouped_gemm",
-        "fake_process_group", "ckpt_format", "global_batch_size", "micro_batch_size")
+        "fake_process_group", "ckpt_format", "global_batch_size", "micro_batch_size",
+        "deterministic_mode", "transformer_impl", "cross_entropy_loss_fusion")
 out = {k: getattr(args, k, None) for k in keys}
 out["num_microbatches"] = get_num_microbatches()
 print("PARSED " + json.dumps(out))
 """
+
+
+def determinism_env(c: dict[str, Any]) -> dict[str, str]:
+    """What ``--deterministic-mode`` needs in the environment: 0.18.2 asserts that
+    ``NCCL_ALGO`` is set (and to an order-fixed algorithm), and TE's attention asserts
+    ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``; 0.19.2 sets both itself when they are unset."""
+    return dict(NCCL_ALGO="Ring", NVTE_ALLOW_NONDETERMINISTIC_ALGO="0") \
+        if c["deterministic"] else {}
 
 
 def parse_check(release_dir: str, c: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
@@ -342,7 +423,7 @@ def parse_check(release_dir: str, c: dict[str, Any], timeout: float = 300.0) -> 
     device architecture is given as Hopper's). Returns the parsed settings that the case sets."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [release_dir] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-        WORLD_SIZE=str(c["dp"]), RANK="0", LOCAL_RANK="0")
+        WORLD_SIZE=str(c["dp"]), RANK="0", LOCAL_RANK="0", **determinism_env(c))
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     p = subprocess.run([sys.executable, "-c", PARSE_CODE, json.dumps(pretrain_args(c))],
                        env=env, capture_output=True, text=True, timeout=timeout)
@@ -373,7 +454,8 @@ def stage_sources(checkouts: dict[str, str], rel_dirs: dict[str, str]) -> tuple[
         if rel not in rel_dirs:
             continue
         diff = training_differences(checkout, rel_dirs[rel])
-        checks[rel] = dict(diff, checkout=os.path.abspath(checkout), matches=matches(diff),
+        # named as the command line names it: a record holds no path of the machine it ran on
+        checks[rel] = dict(diff, checkout=checkout, matches=matches(diff),
                            missing_scripts=[n for n in SCRIPTS
                                             if not os.path.isfile(os.path.join(checkout, n))])
         if not matches(diff) or checks[rel]["missing_scripts"]:
@@ -410,6 +492,7 @@ def command(c: dict[str, Any], paths: Paths, folder: str, cycles_per_ms: float
         env.pop(k, None)
     if c["serialized"]:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
+    env.update(determinism_env(c))
     if c["launcher"] == "fake":
         # FakeStore has neither set nor get: the hotfix's cross-rank check cannot run there
         env.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -430,13 +513,21 @@ def command(c: dict[str, Any], paths: Paths, folder: str, cycles_per_ms: float
     return job, env
 
 
+def needs_te(c: dict[str, Any]) -> bool:
+    """TE layers, or fused wgrad accumulation with any layers: Megatron-FSDP asserts
+    TransformerEngine 2.10 or later for ``gradient_accumulation_fusion`` (megatron-core's own
+    linear then takes TE's ``general_gemm`` for the wgrad), so a local-layer run with fusion
+    has TE importable, as a user's job with TE installed has."""
+    return bool(c.get("impl", "te") == "te" or c.get("fusion"))
+
+
 def te_paths(c: dict[str, Any], env: dict[str, str]) -> list[str]:
     """The ``PYTHONPATH`` tail of a case; a TE case also gets what TE's setup exported (its
     site folder, library path), when TE was set up by ``megatron_lm_call.sh``."""
     import engine
 
     tail = [p for p in [env.get("PYTHONPATH")] if p]
-    if c.get("impl", "te") != "te":
+    if not needs_te(c):
         return tail
     te = engine.te_env()
     if te.get("LD_LIBRARY_PATH"):
@@ -481,12 +572,16 @@ def audit_verdict(log: str) -> str | None:
 
 def classify(rc: Any, capture: dict[str, Any] | None, iterations: int, error: str | None,
              comparison_outcome: str | None) -> str:
-    """exact | wrong (compared with the serialized run) | ok (ran, nothing to compare with) |
-    unsupported (refused before its first iteration by a check of the release) | crash."""
+    """exact | wrong (compared with the serialized run) | float noise (with a reference,
+    ``mlm_verdict``) | ok (ran, nothing to compare with) | refused (by the hotfix, before its
+    first iteration) | unsupported (refused before its first iteration by a check of the
+    release) | crash."""
     stages = (capture or {}).get("stages", [])
     done = (capture or {}).get("iterations", 0)
     if rc == 0 and done == iterations:
         return comparison_outcome or "ok"
+    if "training" not in stages and (error or "").startswith("UnsupportedConfiguration"):
+        return "refused"  # by the hotfix, before training, naming the workaround
     refused = any(e in (error or "") for e in ("AssertionError", "ValueError",
                                                   "NotImplementedError"))
     if "training" not in stages and refused:
@@ -527,13 +622,24 @@ def run_case(c: dict[str, Any], paths: Paths, cycles_per_ms: float, timeout: flo
         if c.get("truth"):
             import torch
 
-            if os.path.exists(c["truth"]):
+            if not os.path.exists(c["truth"]):
+                rec["no_truth"] = ("its reference" if c.get("judge") else "its serialized run") \
+                    + " left no capture"
+            elif c.get("judge"):
+                # against a reference that is not the code under test: the buffers too where
+                # both sides have the same Megatron-FSDP layout (fused against unfused)
+                rec["verdict"] = mlm_verdict.judge(torch.load(pt), torch.load(c["truth"]),
+                                                   buffers=c["dp"] == 2)
+                outcome_cmp = rec["verdict"]["verdict"]
+            else:
                 cmp = comparison.compare(torch.load(pt), torch.load(c["truth"])).to_dict()
                 rec["comparison"] = cmp
                 outcome_cmp = cmp["outcome"]
-            else:
-                rec["no_truth"] = "its serialized run left no capture"
-        if c.get("serialized"):
+        if c.get("judge") or c.get("judged"):
+            import torch
+
+            rec["reported"] = reported_values(torch.load(pt))
+        if c.get("serialized") or c.get("judged"):
             rec["capture_file"] = pt  # a truth: kept for the runs compared with it
         else:
             # compared: the buffers of every iteration are half a gigabyte a run, and a whole
@@ -556,6 +662,14 @@ def run_case(c: dict[str, Any], paths: Paths, cycles_per_ms: float, timeout: flo
     rec["log_head_versions"] = [ln for ln in log.splitlines()[:400]
                                 if "version" in ln.lower() and ">" in ln][:4]
     return rec
+
+
+def reported_values(steps: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """What Megatron reported each iteration (losses, grad norm), from a capture."""
+    names = list(dict.fromkeys(k for step in steps for k in step
+                               if k.startswith("loss/") or k == "grad_norm"))
+    return {name: [mlm_verdict.reported(step[name]) if name in step else None
+                   for step in steps] for name in names}
 
 
 def unit_test_command(c: dict[str, Any], paths: Paths, *pytest_args: str
@@ -691,29 +805,45 @@ def unit_test_ends(path: str) -> dict[str, str]:
 
 # ------------------------------------------------------------------------- the driver
 def pipelined(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The plan's order, but each configuration's serialized runs go one configuration ahead of
-    its other runs (a run waiting for its truth holds a worker; a cut budget still leaves whole
-    configurations)."""
+    """The plan's order, but each set's truths (a configuration's serialized runs, or the
+    reference of a ``set``) go one set ahead of its other runs (a run waiting for its truth
+    holds a worker; a cut budget still leaves whole sets)."""
+    def key(c: dict[str, Any]) -> str:
+        return str(c.get("set") or c.get("config", c["id"]))
+
+    def truth(c: dict[str, Any]) -> bool:
+        return bool(c.get("serialized") or c.get("judged"))
+
     out: list[dict[str, Any]] = []
-    pending: list[dict[str, Any]] = []  # the runs of the configuration whose truths were queued
-    config = None
+    pending: list[dict[str, Any]] = []  # the runs of the set whose truths were queued
+    current = None
     for c in cases:
-        key = c.get("config", c["id"])
-        if key != config:
-            config = key
-            if c.get("serialized"):
-                out += [x for x in cases if x.get("config") == key and x.get("serialized")]
+        if key(c) != current:
+            current = key(c)
+            if truth(c):
+                out += [x for x in cases if key(x) == current and truth(x)]
             out += pending
             pending = []
-        if not c.get("serialized") or c.get("config") is None:
-            if c.get("config") is None or any(x.get("config") == key and x.get("serialized")
-                                              for x in cases):
+        if not truth(c) or c.get("config") is None:
+            if c.get("config") is None or any(key(x) == current and truth(x) for x in cases):
                 pending.append(c)
             else:
                 out.append(c)
     out += pending
     assert sorted(x["id"] for x in out) == sorted(x["id"] for x in cases)
     return out
+
+
+def te_last(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """While TE is being built, the runs that need it (and those judged by one that needs it)
+    after those that do not, each part in its order: a run waiting for TE holds a worker that a
+    run without TE could use. A truth stays before the runs compared with it."""
+    by_id = {c["id"]: c for c in cases}
+
+    def waits(c: dict[str, Any]) -> bool:
+        return needs_te(c) or (bool(c.get("judge")) and needs_te(by_id.get(c["judge"], c)))
+
+    return sorted(cases, key=waits)
 
 
 FAIL_FAST = 8
@@ -767,7 +897,7 @@ class Driver:
         if c.get("truth_of") in self.truths:
             if self.truths[c["truth_of"]].result()["outcome"] == "not run":
                 return dict(c, outcome="not run", error="its serialized run was not run")
-        if c.get("impl", "te") == "te":
+        if needs_te(c):
             import engine
 
             while engine.te_state() == "building" and time.time() < self.deadline - 30:
@@ -790,7 +920,7 @@ class Driver:
                             + ("; ".join(collected["errors"]) or "none found"))
             left = self.deadline - time.time()
             return run_unit_tests(c, self.paths, min(self.unit_timeout, left), collected["ids"])
-        if c.get("impl") == "local" and self.te_building():
+        if not needs_te(c) and self.te_building():
             with self.no_te_slots:  # bounded() reads the budget left after the wait
                 return self.bounded(c)
         return self.bounded(c)
@@ -820,10 +950,15 @@ class Driver:
 
     def run_all(self, cases: list[dict[str, Any]], log=print,
                 progress=None) -> list[dict[str, Any]]:
-        cases = pipelined(cases)
+        cases = te_last(pipelined(cases)) if self.te_building() else pipelined(cases)
         truths = {}
         for c in cases:
-            if c["group"] == "unit":
+            if c["group"] == "unit" or c.get("judged"):
+                continue
+            if c.get("judge"):  # judged against its reference (mlm_verdict), not a serialized run
+                c["truth"] = os.path.join(workdir.run_dir(), "cases",
+                                          c["judge"].replace("|", "_"), "capture.pt")
+                c["truth_of"] = c["judge"]
                 continue
             key = f"{c['config']}|{truth_variant(c)}"
             if c["serialized"]:
@@ -837,7 +972,9 @@ class Driver:
             for c in cases:
                 f = ex.submit(self.one, c)
                 futures.append(f)
-                if c.get("serialized") and c["group"] != "unit":
+                if c.get("judged"):
+                    self.truths[c["id"]] = f
+                elif c.get("serialized") and c["group"] != "unit":
                     self.truths[f"{c['config']}|{truth_variant(c)}"] = f
             for f in cf.as_completed(futures):
                 r = f.result()
@@ -943,6 +1080,114 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
             "rows": [row(r) for r in results], "unit_tests": unit_test_table(results),
             "serialized_vs_shipped": report.get("serialized_vs_shipped"),
             "replaced": report.get("replaced", [])}
+
+
+REFERENCE_ROW_KEYS = ("id", "group", "release", "dp", "layers", "layout", "fusion", "moe",
+                      "variant", "reference", "outcome", "iterations", "loss", "grad_norm",
+                      "reference_loss", "reference_grad_norm", "grad_rel_l2", "max_rel", "worst",
+                      "first_off", "status", "protected", "error")
+LOSS = "loss/lm loss"
+
+
+def reference_row(r: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One summary row (``REFERENCE_ROW_KEYS``) of a run of ``REFERENCE_GROUPS``: what it and
+    its reference reported each iteration, and the verdict (``mlm_verdict``)."""
+    verdict = r.get("verdict") or {}
+    mine = r.get("reported") or {}
+    # the reference's values as the verdict read them (its own call's reference), else as the
+    # summary's reference run reported them
+    theirs = {name: [it.get(name, [None, None])[1] for it in verdict["iterations"]]
+              for name in (LOSS, "grad_norm")} if verdict.get("iterations") else \
+        by_id.get(r.get("judge") or "", {}).get("reported") or {}
+    cap = r.get("capture") or {}
+    said = cap.get("hotfix_status") if isinstance(cap.get("hotfix_status"), dict) else {}
+    status = (said.get("verdict") or {}) if said else {}
+    outcome = r["outcome"]
+    if outcome == "ran, no truth":
+        outcome = "no reference"
+    return {"id": r["id"], "group": r["group"], "release": r["release"], "dp": r["dp"],
+            "layers": "local" if r["impl"] == "local" else "TE",
+            "layout": f"ZeRO-{r['zero']}" if r["fsdp"] else "DDP", "fusion": r["fusion"],
+            "moe": r["moe"], "variant": r["variant"], "reference": r.get("judge"),
+            "outcome": outcome, "iterations": cap.get("iterations", 0),
+            "loss": mine.get(LOSS), "grad_norm": mine.get("grad_norm"),
+            "reference_loss": theirs.get(LOSS), "reference_grad_norm": theirs.get("grad_norm"),
+            "grad_rel_l2": [it.get("grad_rel_l2") for it in verdict["iterations"]]
+            if verdict and r["dp"] == 2 else None,
+            "max_rel": verdict.get("max_rel"), "worst": verdict.get("worst"),
+            "first_off": verdict.get("first_off"),
+            "status": status.get("line"), "protected": status.get("protected"),
+            "error": None if outcome in mlm_verdict.VERDICTS + ("ok",) else
+            (r.get("error") or r.get("no_truth") or "")[:300]}
+
+
+def reference_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The summary of the ``REFERENCE_GROUPS`` runs of a record (``--reference-summary``)."""
+    results = [r for r in report["results"] if r.get("group") in REFERENCE_GROUPS]
+    by_id = {r["id"]: r for r in results}
+    return {"gpu": report.get("env", {}).get("gpu"), "torch": report.get("env", {}).get("torch"),
+            "te": te_versions(results), "iterations": ITERS, "microbatches": MICROBATCHES,
+            "size": SIZE, "float_noise": mlm_verdict.FLOAT_NOISE,
+            "checkouts": {rel: {k: v for k, v in check.items() if k != "checkout"}
+                          for rel, check in (report.get("checkouts") or {}).items()},
+            "rows": [reference_row(r, by_id) for r in results],
+            "replaced": report.get("replaced", [])}
+
+
+def _values(xs: list[float | None] | None) -> str:
+    return " / ".join("–" if x is None else f"{x:.4g}" for x in xs) if xs else "–"
+
+
+def _verdict_cell(r: dict[str, Any]) -> str:
+    o = r["outcome"]
+    if o in ("wrong", "float noise"):
+        return f"{o} ({r['max_rel']:.2g}, {r['worst'] or '?'})" if r["max_rel"] is not None \
+            and math.isfinite(r["max_rel"]) else f"{o} ({r['worst'] or '?'} not finite)"
+    if o in mlm_verdict.VERDICTS + ("ok",):
+        return o
+    why = (r.get("error") or "").split("\n")[0].replace("|", "/")[:90]
+    return f"{o}: {why}" if why else o
+
+
+def reference_tables(doc: dict[str, Any]) -> str:
+    """Markdown tables of a reference summary (``--reference-report``): world size 1 against
+    DDP; two ranks fused against unfused; then, where there are any, the references that did
+    not run through, and the runs a later call replaced."""
+    rows = doc["rows"]
+    out = ["| release | layers | model | ZeRO | wgrad | variant | verdict (max. relative "
+           "difference, where) | grad norm per iteration | DDP's | status says |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["dp"] != 1 or r["layout"] == "DDP":
+            continue
+        said = (r.get("status") or "").split(" — ")[-1].split(":")[0] or "–"
+        out.append(f"| {r['release']} | {r['layers']} | {'MoE' if r['moe'] else 'GPT'} | "
+                   f"{r['layout'].split('-')[1]} | {'fused' if r['fusion'] else 'apart'} | "
+                   f"{r['variant']} | {_verdict_cell(r)} | {_values(r['grad_norm'])} | "
+                   f"{_values(r['reference_grad_norm'])} | {said} |")
+    out += ["", "| release | layers | model | ZeRO | variant | verdict (max. relative difference, "
+            "where) | grad norm per iteration, fused | apart | reduced gradient, rel. L2 per "
+            "iteration |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["dp"] != 2 or not r["fusion"]:
+            continue
+        l2 = _values(r["grad_rel_l2"]) if r["grad_rel_l2"] else "–"
+        out.append(f"| {r['release']} | {r['layers']} | {'MoE' if r['moe'] else 'GPT'} | "
+                   f"{r['layout'].split('-')[1]} | {r['variant']} | {_verdict_cell(r)} | "
+                   f"{_values(r['grad_norm'])} | {_values(r['reference_grad_norm'])} | {l2} |")
+    refs = [r for r in rows if (r["layout"] == "DDP" or (r["dp"] == 2 and not r["fusion"]))
+            and r["outcome"] != "ok"]
+    if refs:
+        out += ["", "| reference | outcome |", "|---|---|"]
+        out += [f"| {r['id'].replace('|', ' ')} | {_verdict_cell(r)} |" for r in refs]
+    if doc.get("replaced"):
+        out += ["", "| run | in record | its outcome there | replaced by the run in |",
+                "|---|---|---|---|"]
+        for r in doc["replaced"]:
+            why = f": {r['error'][:80]}" if r.get("error") else ""
+            out.append(f"| {r['id'].replace('|', ' ')} | {r['record']} | "
+                       f"{r['outcome']}{why.replace('|', '/')} | {r['by_record']} |")
+    return "\n".join(out)
 
 
 TE_VERSION = re.compile(r"Transformer Engine version \.* ?(\S+)")
@@ -1176,6 +1421,8 @@ def driver_main(a: argparse.Namespace) -> None:
     report["wall_s"] = round(time.time() - t0, 1)
     write(a.out, report)
     write(a.out.replace(".json", "-summary.json"), summary(report))
+    if any(c["group"] in REFERENCE_GROUPS for c in cases):
+        write(a.out.replace(".json", "-reference-summary.json"), reference_summary(report))
     print(f"wrote {a.out} ({report['wall_s']} s)")
 
 
@@ -1213,6 +1460,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--summary", metavar="JSON", nargs="+",
                    help="print the summary of raw records (one session's calls, in order)")
     p.add_argument("--report", metavar="JSON", help="print the markdown tables of a summary")
+    p.add_argument("--reference-summary", metavar="JSON", nargs="+",
+                   help="print the summary of the runs judged against a reference (raw records)")
+    p.add_argument("--reference-report", metavar="JSON",
+                   help="print the markdown tables of a reference summary")
     p.add_argument("--megatron-lm", action="append", default=[], metavar="[RELEASE=]DIR")
     p.add_argument("--releases", default=",".join(RELEASES))
     p.add_argument("--groups", default=",".join(GROUPS))
@@ -1241,6 +1492,13 @@ if __name__ == "__main__":
         print(json.dumps(summary(joined([read(path) for path in args.summary],
                                         [os.path.basename(path) for path in args.summary])),
                          indent=1))
+    elif args.reference_summary:
+        print(json.dumps(reference_summary(joined(
+            [read(path) for path in args.reference_summary],
+            [os.path.basename(path) for path in args.reference_summary])), indent=1))
+    elif args.reference_report:
+        with open(args.reference_report) as f:
+            print(reference_tables(json.load(f)))
     elif args.report:
         with open(args.report) as f:
             print(report_tables(json.load(f)))
