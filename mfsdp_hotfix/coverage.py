@@ -196,9 +196,11 @@ LIMITS = (
           " or ".join(registry.UNSHARDED_SHARD_ADDED_TO_ITSELF.workarounds),
           defect=registry.UNSHARDED_SHARD_ADDED_TO_ITSELF),
     Limit(registry.CORE_LINEAR_ACCUMULATE.id,
-          "ZeRO-1 (optim) with megatron-core's own linear layers (ColumnParallelLinear, "
-          "RowParallelLinear) and gradient_accumulation_fusion",
-          lambda model: (model.ddp_config.data_parallel_sharding_strategy == "optim"
+          "ZeRO-1 (optim), or ZeRO-2/3 with a one-rank gradient group, with megatron-core's "
+          "own linear layers (ColumnParallelLinear, RowParallelLinear) and "
+          "gradient_accumulation_fusion",
+          lambda model: ((model.ddp_config.data_parallel_sharding_strategy == "optim"
+                          or (_sharded(model) and has_one_rank_gradient_group(model)))
                          and _fused_core_linears(model)),
           registry.CORE_LINEAR_FUSED_WGRAD_OVERWRITE.symptom
           + ", with 2 or more microbatches per step",

@@ -575,7 +575,9 @@ CORE_LINEAR_FUSED_WGRAD_OVERWRITE = ReleaseDefect(
     "any megatron-core tree whose LinearWithGradAccumulationAndAsyncCommunication.backward "
     "writes a Megatron-FSDP weight's wgrad into main_grad without reading overwrite_main_grad "
     "(NVIDIA main as of d98e8a64dd, forks based on those releases)",
-    "ZeRO-1 (data_parallel_sharding_strategy='optim') with gradient_accumulation_fusion on "
+    "ZeRO-1 (data_parallel_sharding_strategy='optim'), and ZeRO-2/3 where a gradient buffer's "
+    "data-parallel group has one rank (once single-rank-reduce lets it accumulate), with "
+    "gradient_accumulation_fusion on "
     "(Megatron-LM's default) in megatron-core's own linear layers (ColumnParallelLinear, "
     "RowParallelLinear: the GPT output layer of every Megatron-LM model, every layer with "
     "--transformer-impl local) and 2 or more microbatches per optimizer step",
