@@ -286,7 +286,8 @@ def test_a_run_whose_reference_failed_says_so() -> None:
         "memory |" in tables
 
 
-RECORDS = ("megatron-lm-ddp-h100.json.gz", "megatron-lm-ddp-h100-hotfix.json.gz")
+RECORDS = ("megatron-lm-ddp-h100.json.gz", "megatron-lm-ddp-h100-hotfix.json.gz",
+           "megatron-lm-ddp-h100-hotfix-0.18.json.gz")
 
 
 def test_the_committed_reference_summary_is_what_the_raw_records_give() -> None:
