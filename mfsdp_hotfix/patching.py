@@ -96,6 +96,24 @@ def wrap_static_method(owner: type, name: str, wrapper: Wrapper, fix_id: str) ->
     return undo
 
 
+def wrap_attributes(targets: list[tuple[type, str, Wrapper]], fix_id: str) -> Undo:
+    """Wrap each ``(owner, name, wrapper)`` as :func:`wrap_attribute` does, all or none: if one
+    cannot be wrapped, those already wrapped are restored. The undo restores the last first."""
+    undos: list[Undo] = []
+    try:
+        for owner, name, wrapper in targets:
+            undos.append(wrap_attribute(owner, name, wrapper, fix_id))
+    except Exception:
+        for undo in reversed(undos):
+            undo()
+        raise
+
+    def undo_all() -> bool:
+        return all([undo() for undo in reversed(undos)])
+
+    return undo_all
+
+
 def wrap_function(module: types.ModuleType, name: str, wrapper: Wrapper, fix_id: str) -> Undo:
     """Wrap the function ``module.name`` (called as ``wrapper(original, None, args, kwargs)``)
     and return the undo; only callers that look the name up at call time see the wrapper."""

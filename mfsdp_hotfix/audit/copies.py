@@ -27,7 +27,7 @@ from typing import Any
 
 from .. import coverage, detection, registry, slot_reuse, v2, versions
 from ..happens_before import Mark
-from ..patching import Undo, wrap_attribute
+from ..patching import Undo, wrap_attribute, wrap_attributes
 from ..registry import Copy
 from .observer import MARKER, Observer
 
@@ -196,21 +196,10 @@ def watch_model_module(module: ModuleType, after_step: Callable[[], None],
 
         return wrapper
 
-    undos = [wrap_attribute(model, "finish_grad_sync", finished, MARKER)]
-    try:
-        undos.append(wrap_attribute(model, "forward", told("forward", OneRankGrads.forwarded),
-                                    MARKER))
-        undos.append(wrap_attribute(model, "zero_grad_buffer",
-                                    told("zero_grad_buffer", OneRankGrads.zeroed), MARKER))
-    except Exception:
-        for undo in reversed(undos):
-            undo()
-        raise
-
-    def undo_all() -> bool:
-        return all([undo() for undo in reversed(undos)])
-
-    return undo_all
+    return wrap_attributes([(model, "finish_grad_sync", finished),
+                            (model, "forward", told("forward", OneRankGrads.forwarded)),
+                            (model, "zero_grad_buffer",
+                             told("zero_grad_buffer", OneRankGrads.zeroed))], MARKER)
 
 
 def watch_v2_module(copy: Copy, module: ModuleType, built: Callable[[CopyAudit], None],

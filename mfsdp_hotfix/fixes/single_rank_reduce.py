@@ -41,7 +41,7 @@ from typing import Any
 
 from .. import incidents
 from ..errors import UnsupportedConfiguration
-from ..patching import Undo, wrap_attribute
+from ..patching import Undo, wrap_attributes
 from ..registry import SINGLE_RANK_GRADS, SINGLE_RANK_REDUCE
 
 SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
@@ -169,19 +169,7 @@ def apply(model_module: ModuleType) -> Undo:
         return wrapped(*args, **kwargs)
 
     model = model_module.MegatronFSDP
-    wrapped = [(model, "all_gather_and_wait_parameters_ready", accumulate_in_place),
-               (model_module.GradReducePipeline, "reduce_gradients", leave_out_one_rank),
-               (model, "finish_grad_sync", scale_once)]
-    undos: list[Undo] = []
-    try:
-        for owner, name, wrapper in wrapped:
-            undos.append(wrap_attribute(owner, name, wrapper, SINGLE_RANK_REDUCE.id))
-    except Exception:
-        for undo in reversed(undos):
-            undo()
-        raise
-
-    def undo_all() -> bool:
-        return all([undo() for undo in reversed(undos)])
-
-    return undo_all
+    return wrap_attributes([(model, "all_gather_and_wait_parameters_ready", accumulate_in_place),
+                            (model_module.GradReducePipeline, "reduce_gradients",
+                             leave_out_one_rank),
+                            (model, "finish_grad_sync", scale_once)], SINGLE_RANK_REDUCE.id)
