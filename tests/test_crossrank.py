@@ -77,7 +77,7 @@ mfsdp_hotfix.install()
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 from types import SimpleNamespace
 built = []
-record = SimpleNamespace(detection=None, fixes={})  # a copy that needs no fix
+record = SimpleNamespace(detection=SimpleNamespace(shapes={}), fixes={})  # needs no fix
 for _ in range(2):
     installer._after_model_init(record, lambda: built.append(1),
                                 SimpleNamespace(ddp_config=None), (), {})
