@@ -283,7 +283,8 @@ def test_selftest(installed: Installed) -> None:
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert last.startswith("selftest: PASS: with the hotfix, megatron-fsdp 0.5.1 ran"), last
-    assert last.endswith("without it: UNORDERED"), last
+    assert last.endswith("without it: UNORDERED, at one rank WRONG GRADS"), last
+    assert "and at one rank gradients equal plain PyTorch too" in last, last
     assert f"megatron-fsdp 0.5.1 (standalone) at {installed.root}" in proc.stdout
 
 
@@ -293,7 +294,7 @@ def test_selftest_audit(installed: Installed) -> None:
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     audit = [line for line in lines if line.startswith("audit, ")]
-    assert len(audit) == 2 and all(line.endswith("audit on: agrees") for line in audit), audit
+    assert len(audit) == 4 and all(line.endswith("audit on: agrees") for line in audit), audit
     assert re.match(r"audit, without hotfix: [1-9]\d* unordered of [1-9]\d* gradient-slot reuses",
                     audit[0])
     assert lines[-1].startswith("selftest: PASS: ") and lines[-1].endswith(
@@ -474,9 +475,10 @@ def test_audit_out_that_cannot_hold_rank_files(installed: Installed, out: str,
 
 
 def test_a_closed_pipe_is_quiet(installed: Installed) -> None:
-    """``mfsdp-hotfix status | head -1``: no traceback; a reader already gone ends the command
-    with the shell's SIGPIPE status, 141 (the read end is closed before it starts, so that the
-    first write fails whatever the timing)."""
+    """``mfsdp-hotfix status | head -1``: no traceback; a reader already gone (the read end is
+    closed before it starts, so that the first write fails whatever the timing) ends ``status``
+    quietly with its own exit status (here 0), and another command with the shell's SIGPIPE
+    status, 141 (docs/CLI.md)."""
     head = installed.sh("mfsdp-hotfix status | head -1")
     assert head.returncode == 0 and head.stderr == "", head.stderr
     assert head.stdout.startswith("affected: ") and head.stdout.count("\n") == 1  # the answer
@@ -489,7 +491,8 @@ def test_a_closed_pipe_is_quiet(installed: Installed) -> None:
                                   env=installed.env, cwd=installed.work, text=True, timeout=120)
         finally:
             os.close(write)
-        assert (gone.returncode, gone.stderr) == (141, ""), (command, gone.stderr)
+        expected = 141 if "--help" in command else 0
+        assert (gone.returncode, gone.stderr) == (expected, ""), (command, gone.stderr)
 
 
 @pytest.mark.parametrize("command", ["", "status", "selftest", "run", "audit", "bootstrap-path",
