@@ -262,7 +262,9 @@ def test_refuses_a_function_whose_forward_does_not_take_input_and_weight_first()
 
 
 def _megatron_fsdp(config: SimpleNamespace, *children: torch.nn.Module) -> Any:
-    return SimpleNamespace(ddp_config=config, module=torch.nn.Sequential(*children))
+    """A built model as the gate reads it: no gradient buffer with a one-rank group."""
+    return SimpleNamespace(ddp_config=config, module=torch.nn.Sequential(*children),
+                           param_and_grad_buffer=SimpleNamespace(parameter_groups=[]))
 
 
 def test_an_unavailable_fix_refuses_zero1_only_with_fused_core_linears(
