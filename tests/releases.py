@@ -75,23 +75,30 @@ def git_tree(ref: str) -> Path | None:
     target = CACHE / "git" / ref.replace("/", "-")
     if (target / ".complete").exists():
         return target
-    if MEGATRON_LM_GIT is None or not MEGATRON_LM_GIT.exists():
+    if not _extract(ref, _FSDP_SRC, target):
         return None
+    (target / _FSDP_SRC).rename(target / "megatron_fsdp")
+    shutil.rmtree(target / "megatron")  # empty now; it would shadow a real megatron package
+    (target / ".complete").touch()
+    return target
+
+
+def _extract(ref: str, folder: str, target: Path) -> bool:
+    """Unpack ``folder`` of the clone's ``ref`` into ``target`` (its commit in ``.commit``);
+    False when there is no clone or no such ref."""
+    if MEGATRON_LM_GIT is None or not MEGATRON_LM_GIT.exists():
+        return False
     git = ["git", "--git-dir", str(MEGATRON_LM_GIT)]
     full = ref if ref.startswith("refs/") else f"refs/heads/{ref}"
     found = subprocess.run(git + ["rev-parse", "--verify", "--quiet", full],
                            capture_output=True, text=True)
     if found.returncode != 0:
-        return None
+        return False
     target.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(git + ["archive", full, _FSDP_SRC],
-                             capture_output=True, check=True)
+    archive = subprocess.run(git + ["archive", full, folder], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
-    (target / _FSDP_SRC).rename(target / "megatron_fsdp")
-    shutil.rmtree(target / "megatron")  # empty now; it would shadow a real megatron package
     (target / ".commit").write_text(found.stdout.strip())
-    (target / ".complete").touch()
-    return target
+    return True
 
 
 def git_commit(ref: str) -> str | None:
@@ -106,6 +113,11 @@ def git_core_tree(ref: str) -> Path | None:
     target = CACHE / "git-core" / ref.replace("/", "-")
     if (target / ".complete").exists():
         return target
+    shutil.rmtree(target, ignore_errors=True)
+    if not _extract(ref, "megatron/core", target):
+        return None
+    (target / ".complete").touch()
+    return target
     if MEGATRON_LM_GIT is None or not MEGATRON_LM_GIT.exists():
         return None
     git = ["git", "--git-dir", str(MEGATRON_LM_GIT)]
