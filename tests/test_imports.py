@@ -1,6 +1,7 @@
-"""The package's layers look only down: no module imports one that imports it back (directly or
-through others), at module level or inside a function. The same holds for the scripts of
-validation/ and benchmarks/, which import each other by bare name (their folder on sys.path)."""
+"""The package's layers look only down: no module imports one of a layer above its own
+(``LAYERS``) or one that imports it back (directly or through others), at module level or inside
+a function. The scripts of validation/ and benchmarks/, which import each other by bare name
+(their folder on sys.path), have no import cycle either."""
 
 from __future__ import annotations
 
@@ -56,10 +57,14 @@ def find_cycle(graph: dict[str, set[str]]) -> None:
         visit(node, [])
 
 
-def test_no_import_cycle() -> None:
+def package_graph() -> dict[str, set[str]]:
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {module_name(p) for p in paths}
-    graph = {module_name(p): imports(p, modules) for p in paths}
+    return {module_name(p): imports(p, modules) for p in paths}
+
+
+def test_no_import_cycle() -> None:
+    graph = package_graph()
     assert graph["mfsdp_hotfix.installer"], "the graph must see relative imports"
     find_cycle(graph)
 
@@ -94,3 +99,58 @@ def test_validation_phases_import_the_engine_not_each_other() -> None:
     phases = {"fuzz", "te_matrix", "gpu_phases", "core_gpt"}
     for phase in ("fuzz", "te_matrix"):
         assert not graph[phase] & phases, (phase, graph[phase])
+
+
+# The package's layers, bottom first. A module may import modules of its own layer or of a layer
+# below (the cycle test above keeps a layer free of circles), never one above: the facts know
+# nothing of the fixes, the fixes nothing of the installer, and only the commands and the entry
+# points know the command line. A new module must be placed here.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("facts", ("__about__", "errors", "variables", "settings", "registry", "versions",
+               "fingerprints", "structure", "patching", "incidents", "happens_before",
+               "compare")),
+    ("reading", ("detection", "v2", "coverage", "slot_reuse", "crossrank")),
+    ("fixes", ("fixes",)),
+    ("observing", ("audit",)),
+    ("installing", ("installer", "trigger", "bootstrap", "sitecustomize")),
+    ("reporting", ("reporting", "tree")),
+    ("api", ("",)),
+    ("proving", ("selftest",)),
+    ("commands", ("commands",)),
+    ("entry", ("cli", "__main__")),
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of ``module`` (a dotted package module), by its first name below the
+    package: ``mfsdp_hotfix.fixes.getter_guard`` is in the layer that lists ``fixes``."""
+    first = module.split(".")[1] if "." in module else ""
+    for index, (_, names) in enumerate(LAYERS):
+        if first in names:
+            return index
+    raise AssertionError(f"{module} is in no layer of LAYERS: place it")
+
+
+def climbs(graph: dict[str, set[str]]) -> list[str]:
+    """Each import in ``graph`` of a module from a layer above the importer's."""
+    found = []
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if layer_of(target) > layer_of(name):
+                found.append(f"{name} ({LAYERS[layer_of(name)][0]}) imports {target} "
+                             f"({LAYERS[layer_of(target)][0]})")
+    return found
+
+
+def test_layers_look_only_down() -> None:
+    graph = package_graph()
+    assert set(graph) >= {"mfsdp_hotfix.cli", "mfsdp_hotfix.registry"}
+    problems = climbs(graph)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_climb_is_seen() -> None:
+    """The check is not vacuous: the facts importing the installer is a climb."""
+    assert climbs({"mfsdp_hotfix.registry": {"mfsdp_hotfix.installer"},
+                   "mfsdp_hotfix.installer": {"mfsdp_hotfix.registry"}}) == [
+        "mfsdp_hotfix.registry (facts) imports mfsdp_hotfix.installer (installing)"]
