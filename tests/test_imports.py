@@ -69,27 +69,73 @@ def test_no_import_cycle() -> None:
     find_cycle(graph)
 
 
+def script_modules() -> dict[str, Path]:
+    """validation/ and benchmarks/ scripts by bare name, and the modules of their packages (a
+    folder with an ``__init__.py``, run as ``python3 validation/NAME``) by dotted name: the
+    package's ``__init__.py`` as ``NAME``, its other modules as ``NAME.MODULE``."""
+    found: dict[str, Path] = {}
+    for folder in (REPO / "validation", REPO / "benchmarks"):
+        for path in sorted(folder.glob("*.py")):
+            assert path.stem not in found, "two scripts of one name"
+            found[path.stem] = path
+        for init in sorted(folder.glob("*/__init__.py")):
+            package = init.parent.name
+            assert package not in found, "a script and a package of one name"
+            for path in sorted(init.parent.glob("*.py")):
+                found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return found
+
+
 def script_graph() -> dict[str, set[str]]:
-    """validation/ and benchmarks/ scripts by bare name -> the scripts each one imports."""
-    paths = sorted([*(REPO / "validation").glob("*.py"), *(REPO / "benchmarks").glob("*.py")])
-    names = {p.stem for p in paths}
-    assert len(names) == len(paths), "two scripts of one name"
+    """validation/ and benchmarks/ scripts and package modules (``script_modules``) -> those
+    each one imports (a relative import within its package counts; an import of a name from a
+    module counts as importing that module)."""
+    modules = script_modules()
+
+    def known(dotted: str) -> str | None:  # the longest leading part that is a module here
+        parts = dotted.split(".")
+        return next((".".join(parts[:n]) for n in range(len(parts), 0, -1)
+                     if ".".join(parts[:n]) in modules), None)
+
     graph = {}
-    for path in paths:
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and not node.level:
-                found.add((node.module or "").split(".")[0])
+            if isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = ".".join(x for x in (base if node.level else "", node.module) if x)
+                found |= {known(f"{target}.{alias.name}") for alias in node.names}
             elif isinstance(node, ast.Import):
-                found |= {alias.name.split(".")[0] for alias in node.names}
-        graph[path.stem] = (found & names) - {path.stem}
+                found |= {known(alias.name) for alias in node.names}
+        graph[name] = {m for m in found if m} - {name}
     return graph
 
 
 def test_no_import_cycle_in_the_scripts() -> None:
     graph = script_graph()
     assert "engine" in graph["gpu_phases"], "the graph must see the scripts' imports"
+    assert "megatron_lm.plan" in graph["megatron_lm.launch"], \
+        "the graph must see a package's relative imports"
+    assert "megatron_lm.record" in graph["megatron_lm.__main__"], \
+        "the graph must see a package's imports by its own name"
     find_cycle(graph)
+
+
+def test_the_megatron_lm_phases_look_only_down() -> None:
+    """validation/megatron_lm/: each phase imports only the phases before it in a call's order
+    (the plan at the bottom, the command line on top); a new module takes its place here."""
+    order = ["megatron_lm", "megatron_lm.plan", "megatron_lm.arguments", "megatron_lm.stage",
+             "megatron_lm.outcome", "megatron_lm.launch", "megatron_lm.unit_tests",
+             "megatron_lm.driver", "megatron_lm.summary", "megatron_lm.record",
+             "megatron_lm.tables", "megatron_lm.__main__"]
+    graph = script_graph()
+    assert sorted(order) == sorted(m for m in graph if m.split(".")[0] == "megatron_lm")
+    for i, module in enumerate(order):
+        above = {m for m in graph[module] if m.split(".")[0] == "megatron_lm"} - set(order[:i])
+        assert not above, (module, above)
 
 
 def test_validation_phases_import_the_engine_not_each_other() -> None:

@@ -1,5 +1,5 @@
 """The CPU side of Megatron-LM's loop judged against a reference that is not the code under test
-(validation/megatron_lm.py's ``REFERENCE_GROUPS``, validation/mlm_verdict.py): the plan pairs
+(validation/megatron_lm's ``REFERENCE_GROUPS``, validation/mlm_verdict.py): the plan pairs
 every run with its reference, the reference differs from the judged run only where it must
 (Megatron's own DDP, the wgrad apart), both releases' own argument parsers take the command
 lines as meant, the verdicts (exact, float noise, wrong, refused) follow their thresholds, and a
@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,17 @@ import torch
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "validation"))
-import megatron_lm as mlm  # noqa: E402
 import mlm_verdict  # noqa: E402
 import releases  # noqa: E402
+import workdir  # noqa: E402
+from megatron_lm import driver, launch  # noqa: E402
+from megatron_lm.arguments import parse_check, pretrain_args  # noqa: E402
+from megatron_lm.driver import Driver, pipelined, te_last  # noqa: E402
+from megatron_lm.launch import Paths, command  # noqa: E402
+from megatron_lm.outcome import OUTCOMES, classify  # noqa: E402
+from megatron_lm.plan import MICROBATCHES, RELEASES, needs_te, plan  # noqa: E402
+from megatron_lm.summary import REFERENCE_ROW_KEYS, joined, read, reference_summary  # noqa: E402
+from megatron_lm.tables import reference_tables  # noqa: E402
 
 ALL = ("ddp", "ddp-local", "fused", "fused-local", "moe-ref")
 
@@ -48,11 +57,11 @@ FSDP_ONLY = ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt
 
 def test_every_judged_run_has_its_reference_first_and_differs_from_it_only_where_it_must(
         ) -> None:
-    cases = mlm.plan(mlm.RELEASES, ALL)
+    cases = plan(RELEASES, ALL)
     by_id = {c["id"]: c for c in cases}
     judged = [c for c in cases if c.get("judge")]
     assert len(judged) == 2 * (2 * 12 + 2 * 6 + 2 + 2)  # per release: ddp, fused, MoE
-    order = [c["id"] for c in mlm.pipelined(cases)]
+    order = [c["id"] for c in pipelined(cases)]
     for c in judged:
         ref = by_id[c["judge"]]
         assert ref.get("judged") and c["set"] == ref["id"] == ref["set"]
@@ -60,8 +69,8 @@ def test_every_judged_run_has_its_reference_first_and_differs_from_it_only_where
         assert (c["release"], c["dp"], c["impl"], c["moe"]) == \
             (ref["release"], ref["dp"], ref["impl"], ref["moe"])
         assert c["deterministic"] and ref["deterministic"] and c["dtype"] == "fp32"
-        assert "--deterministic-mode" in mlm.pretrain_args(c)
-        args, ref_args = mlm.pretrain_args(c), mlm.pretrain_args(ref)
+        assert "--deterministic-mode" in pretrain_args(c)
+        args, ref_args = pretrain_args(c), pretrain_args(ref)
         # same model, seed, data and batch: the two command lines differ only in the layout's
         # flags and the wgrad fusion
         assert _flags_without(args, *FSDP_ONLY) == _flags_without(ref_args, *FSDP_ONLY)
@@ -73,7 +82,7 @@ def test_every_judged_run_has_its_reference_first_and_differs_from_it_only_where
             assert ref["fsdp"] and (ref["zero"], ref["variant"]) == (c["zero"], c["variant"])
             assert c["fusion"] and "--fake-process-group" in args
             assert args == [a for a in ref_args if a != "--no-gradient-accumulation-fusion"]
-    first = mlm.RELEASES[0]
+    first = RELEASES[0]
     for layers in ("", "|local"):
         for zero in (1, 2, 3):
             for variant in ("shipped", "hotfix"):
@@ -83,21 +92,21 @@ def test_every_judged_run_has_its_reference_first_and_differs_from_it_only_where
                     f"{variant}|d0" in by_id
     assert f"{first}|dp2|zero3|fp32|moe|det|hotfix|d0" in by_id
     # none of this changes the earlier groups' runs
-    assert all("|det|" not in c["id"] and not c.get("judge") for c in mlm.plan())
+    assert all("|det|" not in c["id"] and not c.get("judge") for c in plan())
 
 
-@pytest.mark.parametrize("release", mlm.RELEASES)
+@pytest.mark.parametrize("release", RELEASES)
 def test_both_releases_parse_the_reference_and_the_judged_command_lines_as_meant(
         release: str) -> None:
     folder = str(releases.unpacked("megatron-core", release.split("-")[1]))
-    cases = {c["id"]: c for c in mlm.plan((release,), ALL)}
+    cases = {c["id"]: c for c in plan((release,), ALL)}
     picks = [f"{release}|dp1|ddp|fp32|unfused|det|shipped|d0",
              f"{release}|dp1|zero1|fp32|local|fused|det|hotfix|d0",
              f"{release}|dp2|zero2|fp32|unfused|det|shipped|d0"]
     for key in picks:
         c = cases[key]
-        parsed = mlm.parse_check(folder, c)
-        assert parsed["num_microbatches"] == mlm.MICROBATCHES, key
+        parsed = parse_check(folder, c)
+        assert parsed["num_microbatches"] == MICROBATCHES, key
         assert parsed["data_parallel_size"] == c["dp"] and parsed["deterministic_mode"] is True
         assert parsed["use_megatron_fsdp"] is c["fsdp"] and parsed["use_distributed_optimizer"]
         assert parsed["gradient_accumulation_fusion"] is c["fusion"]
@@ -185,10 +194,10 @@ def test_a_run_the_hotfix_refuses_before_training_is_refused_and_a_later_one_a_c
     during = {"stages": ["started", "training"], "iterations": 1}
     error = ("UnsupportedConfiguration: ZeRO-1 with fused wgrad; use "
              "--no-gradient-accumulation-fusion")
-    assert mlm.classify(1, before, 3, error, None) == "refused"
-    assert mlm.classify(1, during, 3, error, None) == "crash"
-    assert mlm.classify(1, before, 3, "RuntimeError: CUDA error", None) == "crash"
-    assert "refused" in mlm.OUTCOMES and "float noise" in mlm.OUTCOMES
+    assert classify(1, before, 3, error, None) == "refused"
+    assert classify(1, during, 3, error, None) == "crash"
+    assert classify(1, before, 3, "RuntimeError: CUDA error", None) == "crash"
+    assert "refused" in OUTCOMES and "float noise" in OUTCOMES
 
 
 # ------------------------------------------------------------------ a whole call, stood in for
@@ -232,16 +241,16 @@ def _stand_in(c: dict[str, Any]) -> Any:
 
 def test_a_whole_call_judges_each_run_by_its_own_reference(tmp_path: Path,
                                                             monkeypatch: Any) -> None:
-    monkeypatch.setattr(mlm.workdir, "run_dir", lambda: str(tmp_path))
-    monkeypatch.setattr(mlm, "MIN_FREE_DISK", 0)
+    monkeypatch.setattr(workdir, "run_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(driver, "MIN_FREE_DISK", 0)
     (tmp_path / "cases").mkdir()
-    cases = mlm.plan(("core-0.19.2",), ("ddp-local", "fused-local"))
+    cases = plan(("core-0.19.2",), ("ddp-local", "fused-local"))
     by_id = {c["id"]: c for c in cases}
-    monkeypatch.setattr(mlm, "_run", lambda argv, env, cwd, timeout: _stand_in(
+    monkeypatch.setattr(launch, "run_process", lambda argv, env, cwd, timeout: _stand_in(
         by_id[next(i for i in by_id if i.replace("|", "_") == os.path.basename(
             env["MFSDP_VAL_MLM_CAPTURE"]))])(argv, env, cwd, timeout))
-    paths = mlm.Paths({"core-0.19.2": str(tmp_path)}, {"core-0.19.2": str(tmp_path)})
-    drv = mlm.Driver(paths, 1000.0, mlm.time.time() + 3600, 4, 240.0, 300.0)
+    paths = Paths({"core-0.19.2": str(tmp_path)}, {"core-0.19.2": str(tmp_path)})
+    drv = Driver(paths, 1000.0, time.time() + 3600, 4, 240.0, 300.0)
     results = drv.run_all(cases, log=lambda line: None)
     out = {r["id"]: r for r in results}
     rel = "core-0.19.2"
@@ -254,15 +263,15 @@ def test_a_whole_call_judges_each_run_by_its_own_reference(tmp_path: Path,
     # a judged run's capture goes once judged; a reference's stays for the runs judged by it
     kept = {p.parent.name for p in tmp_path.glob("cases/*/capture.pt")}
     assert kept == {c["id"].replace("|", "_") for c in cases if c.get("judged")}
-    doc = json.loads(json.dumps(mlm.reference_summary(
+    doc = json.loads(json.dumps(reference_summary(
         {"env": {"gpu": "H100", "torch": "2.11"}, "results": results}), default=str))
     for row in doc["rows"]:
-        assert tuple(row) == mlm.REFERENCE_ROW_KEYS
+        assert tuple(row) == REFERENCE_ROW_KEYS
     wrong = next(r for r in doc["rows"] if r["id"] == f"{rel}|dp1|zero2|fp32|local|fused|det|"
                  "shipped|d0")
     assert wrong["grad_norm"][0] == 2.007 and wrong["reference_grad_norm"][0] == 4.328
     assert wrong["first_off"] == 1 and wrong["worst"] == "grad_norm"
-    tables = mlm.reference_tables(doc)
+    tables = reference_tables(doc)
     assert ("| core-0.19.2 | local | GPT | 2 | fused | shipped | wrong (0.54, grad_norm) | "
             "2.007 / 1.5 / 1.2 | 4.328 / 3.1 / 2.5 | – |") in tables
     assert "| core-0.19.2 | local | GPT | 1 | fused | hotfix | refused: UnsupportedConfiguration" \
@@ -273,14 +282,14 @@ def test_a_whole_call_judges_each_run_by_its_own_reference(tmp_path: Path,
 
 
 def test_a_run_whose_reference_failed_says_so() -> None:
-    ref = dict(mlm.plan(("core-0.19.2",), ("ddp-local",))[0], outcome="crash",
+    ref = dict(plan(("core-0.19.2",), ("ddp-local",))[0], outcome="crash",
                error="RuntimeError: CUDA out of memory", capture={"iterations": 0})
-    judged = dict(mlm.plan(("core-0.19.2",), ("ddp-local",))[1], outcome="ran, no truth",
+    judged = dict(plan(("core-0.19.2",), ("ddp-local",))[1], outcome="ran, no truth",
                   no_truth="its reference left no capture", capture={"iterations": 3},
                   reported={"grad_norm": [2.0, 1.0, 0.5]})
-    doc = mlm.reference_summary({"env": {}, "results": [ref, judged]})
+    doc = reference_summary({"env": {}, "results": [ref, judged]})
     assert doc["rows"][1]["outcome"] == "no reference"
-    tables = mlm.reference_tables(doc)
+    tables = reference_tables(doc)
     assert "no reference: its reference left no capture" in tables
     assert "| core-0.19.2 dp1 ddp fp32 local det shipped d0 | crash: RuntimeError: CUDA out of " \
         "memory |" in tables
@@ -294,8 +303,8 @@ def test_the_committed_reference_summary_is_what_the_raw_records_give() -> None:
     folder = REPO / "docs" / "validation"
     records = [str(folder / name) for name in RECORDS]
     committed = json.loads((folder / "megatron-lm-ddp-summary.json").read_text())
-    assert committed == json.loads(json.dumps(mlm.reference_summary(mlm.joined(
-        [mlm.read(path) for path in records], list(RECORDS))), default=str))
+    assert committed == json.loads(json.dumps(reference_summary(joined(
+        [read(path) for path in records], list(RECORDS))), default=str))
     assert "/" not in json.dumps(committed["checkouts"])
     for path in records:
         with open(path, "rb") as f:
@@ -309,31 +318,31 @@ def test_fused_wgrad_with_local_layers_gets_transformer_engine_and_waits_for_its
     import engine
 
     monkeypatch.setattr(engine, "te_env", lambda: {"PYTHONPATH": "/te-site"})
-    paths = mlm.Paths({"core-0.19.2": str(tmp_path)}, {"core-0.19.2": str(tmp_path)})
-    cases = {c["id"]: c for c in mlm.plan(("core-0.19.2",), ("ddp-local", "ddp"))}
+    paths = Paths({"core-0.19.2": str(tmp_path)}, {"core-0.19.2": str(tmp_path)})
+    cases = {c["id"]: c for c in plan(("core-0.19.2",), ("ddp-local", "ddp"))}
     fused = cases["core-0.19.2|dp1|zero1|fp32|local|fused|det|hotfix|d0"]
     apart = cases["core-0.19.2|dp1|zero1|fp32|local|det|hotfix|d0"]
     te = cases["core-0.19.2|dp1|zero1|fp32|unfused|det|hotfix|d0"]
     for c, want in ((fused, True), (apart, False), (te, True)):
-        env = mlm.command(c, paths, str(tmp_path), 1000.0)[1]
+        env = command(c, paths, str(tmp_path), 1000.0)[1]
         assert ("/te-site" in env["PYTHONPATH"].split(os.pathsep)) is want, c["id"]
     monkeypatch.setattr(engine, "te_state", lambda: "failed")
-    monkeypatch.setattr(mlm.workdir, "run_dir", lambda: str(tmp_path))
-    monkeypatch.setattr(mlm, "run_case", lambda c, *a: dict(c, outcome="ok"))
-    drv = mlm.Driver(paths, 1000.0, mlm.time.time() + 3600, 4, 240.0, 300.0)
+    monkeypatch.setattr(workdir, "run_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(driver, "run_case", lambda c, *a: dict(c, outcome="ok"))
+    drv = Driver(paths, 1000.0, time.time() + 3600, 4, 240.0, 300.0)
     assert drv.one(fused)["error"] == "TransformerEngine's setup failed"
     assert drv.one(apart)["outcome"] == "ok"
 
 
 def test_while_te_is_built_the_runs_without_it_go_first_and_each_truth_before_its_runs() -> None:
-    cases = mlm.pipelined(mlm.plan(("core-0.19.2",), ("ddp-local", "fused-local", "ddp")))
-    order = mlm.te_last(cases)
+    cases = pipelined(plan(("core-0.19.2",), ("ddp-local", "fused-local", "ddp")))
+    order = te_last(cases)
     assert sorted(c["id"] for c in order) == sorted(c["id"] for c in cases)
-    te = [mlm.needs_te(c) for c in order]
+    te = [needs_te(c) for c in order]
     assert te == sorted(te) and 0 < te.index(True)
     place = {c["id"]: i for i, c in enumerate(order)}
     for c in order:
         if c.get("judge"):
             assert place[c["judge"]] < place[c["id"]], c["id"]
-    assert [c["id"] for c in order if mlm.needs_te(c)] == \
-        [c["id"] for c in cases if mlm.needs_te(c)]  # each part keeps its order
+    assert [c["id"] for c in order if needs_te(c)] == \
+        [c["id"] for c in cases if needs_te(c)]  # each part keeps its order

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU run of validation/megatron_lm.py, from the repository root:
-#   bash validation/megatron_lm_call.sh TE_DIR [megatron_lm.py options]
+# One GPU run of validation/megatron_lm, from the repository root:
+#   bash validation/megatron_lm_call.sh TE_DIR [validation/megatron_lm options]
 # e.g. TE_DIR=../te, --megatron-lm core-0.19.2=ML19 --megatron-lm core-0.18.2=ML18 --workers 14
 # TE_DIR holds TransformerEngine's setup.sh and build payload: TE is built in the background
 # (~150 s); the runs without TE (group "local") go first, the TE runs wait for it.
@@ -18,7 +18,7 @@ if [ -f "$TE_DIR/setup.sh" ] && [ ! -f /tmp/te-setup.rc ] && [ ! -f /tmp/te-setu
   # 12 build jobs: 4 of the 16 cores stay with the runs that need no TE
   ( MAX_JOBS=12 TE_WAIT_S=500 bash "$TE_DIR"/setup.sh > /tmp/te-setup.out 2>&1; echo $? > /tmp/te-setup.rc ) &
 fi
-python3 validation/megatron_lm.py --out "$OUT/megatron-lm.json.gz" "$@" \
+python3 validation/megatron_lm --out "$OUT/megatron-lm.json.gz" "$@" \
   --budget-s $((${MLM_END_S:-560} - SECONDS)) 2>&1 | tee "$OUT/console.txt"
 rc=${PIPESTATUS[0]}
 if [ -f /tmp/te-setup.out ]; then

@@ -1,7 +1,7 @@
 """A run of Megatron-LM's loop judged against a reference that is not the code under test.
 
 A run compared with its own serialized run can only find races: a deterministic defect is in
-the serialized run too. So ``validation/megatron_lm.py`` also judges a Megatron-FSDP run by a
+the serialized run too. So ``validation/megatron_lm`` also judges a Megatron-FSDP run by a
 different computation of the same training:
 
 * against ``DistributedDataParallel`` + the distributed optimizer (same model, seed and data, no

@@ -1,5 +1,5 @@
 """Put into Megatron-LM's ``pretrain_gpt.py`` process through ``PYTHONPATH``, so that the script
-itself runs unchanged (``validation/megatron_lm.py`` sets the variables below).
+itself runs unchanged (``validation/megatron_lm/launch.py`` sets the variables below).
 
 Acts only in the process whose script is ``pretrain_gpt.py`` and only when
 ``MFSDP_VAL_MLM_CAPTURE`` names a folder; then, before Megatron is imported:

@@ -3,7 +3,7 @@
 * Once the tests are collected (their modules, and so Megatron-FSDP, imported), it prints whether
   the hotfix is loaded in the process that runs them and what it applied. A run "with the hotfix"
   that did not load it would compare the release with itself, and one "as shipped" that did would
-  hide a defect of ours; ``validation/megatron_lm.py`` refuses both.
+  hide a defect of ours; ``validation/megatron_lm/unit_tests.py`` refuses both.
 * Each test's end goes, as it comes, as one JSON line to the file ``MFSDP_VAL_UNIT_ENDS`` names:
   read from pytest's reports, not its terminal, which Megatron-LM's own options (``-s``) mix
   with the tests' prints; a run cut short keeps the ends it reached.
