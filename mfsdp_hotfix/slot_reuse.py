@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any, Generic, Protocol, TypeVar
 
 from . import registry
-from .patching import Undo, wrap_attribute
+from .patching import Undo, Wrapper, wrap_attributes
 
 M = TypeVar("M")
 
@@ -241,85 +241,93 @@ def observe(buffer_module: ModuleType, rule: SlotReuse[Any], marker: str,
     (which may raise); an ``AssertionError`` of ``allocate`` itself (era A's 'No buffer found')
     is recorded as the rule's crash, then re-raised.
     """
+    allocators = _watched_allocators(buffer_module)
+    pipe_cls = buffer_module.GradReducePipeline
+    watched = tuple(getattr(buffer_module, spec.cls) for spec in allocators)
+    wrappers = _RuleWrappers(rule, marker, on_error, watched)
+    targets: list[tuple[type, str, Wrapper]] = [
+        (pipe_cls, "_bucket_group_gradient_reduce", wrappers.reduce),
+        (pipe_cls, "__init__", wrappers.init)]
+    for spec, cls in zip(allocators, watched, strict=True):
+        targets += [(cls, spec.allocate, wrappers.allocate_of(spec.cls)),
+                    (cls, spec.free, wrappers.free_of(spec.cls))]
+    return wrap_attributes(targets, marker)
+
+
+def _watched_allocators(buffer_module: ModuleType) -> list[registry.PoolAllocator]:
+    """The pool allocators :func:`observe` wraps; ``LookupError`` where there is none, or the
+    pipeline lacks a method the rule follows (without it no slot move could be judged)."""
     allocators, missing = watchable(buffer_module)
     if not allocators or any(m.startswith("GradReducePipeline.") for m in missing):
         raise LookupError("nothing the slot-reuse rule can watch: "
                           + (", ".join(missing) or "no pool allocator class it knows")
                           + " missing")
-    pipe_cls = buffer_module.GradReducePipeline
-    watched = tuple(getattr(buffer_module, spec.cls) for spec in allocators)
+    return allocators
 
-    def guarded(where: str, step: Callable[..., Any], *args: Any) -> Any:
+
+@dataclass
+class _RuleWrappers:
+    """The wrappers :func:`observe` installs, telling ``rule`` each slot move: each calls the
+    original once and passes its result or exception on unchanged."""
+
+    rule: SlotReuse[Any]
+    marker: str
+    on_error: Callable[[str, Exception], None]
+    watched: tuple[type, ...]  # the pool allocator classes wrapped
+
+    def guarded(self, where: str, step: Callable[..., Any], *args: Any) -> Any:
         try:
             return step(*args)
         except Exception as exc:
-            on_error(where, exc)
+            self.on_error(where, exc)
             return None
 
-    def allocate_of(cls: str) -> Any:
+    def allocate_of(self, cls: str) -> Wrapper:
         where = f"{cls}.allocate"
 
         def allocate(wrapped: Any, pool: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                      ) -> Any:
-            if not rule.active:
+            if not self.rule.active:
                 return wrapped(*args, **kwargs)
             bucket_id = args[0] if args else kwargs.get("bucket_id")
-            had_slot = guarded(where, rule.holds, pool, bucket_id)
+            had_slot = self.guarded(where, self.rule.holds, pool, bucket_id)
             try:
                 result = wrapped(*args, **kwargs)
             except AssertionError as exc:
-                guarded(where, rule.crashed, pool, bucket_id, exc)
-                _observed(exc, where, marker)
+                self.guarded(where, self.rule.crashed, pool, bucket_id, exc)
+                _observed(exc, where, self.marker)
                 raise
-            if had_slot is not None and rule.active:
-                guarded(where, rule.allocated, pool, bucket_id, had_slot)
+            if had_slot is not None and self.rule.active:
+                self.guarded(where, self.rule.allocated, pool, bucket_id, had_slot)
             return result
 
         return allocate
 
-    def free_of(cls: str) -> Any:
+    def free_of(self, cls: str) -> Wrapper:
         where = f"{cls}.free"
 
         def free(wrapped: Any, pool: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             result = wrapped(*args, **kwargs)
-            if rule.active:
+            if self.rule.active:
                 bucket_id = args[0] if args else kwargs.get("bucket_id")
-                guarded(where, rule.freed, pool, bucket_id)
+                self.guarded(where, self.rule.freed, pool, bucket_id)
             return result
 
         return free
 
-    def reduce(wrapped: Any, pipeline: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    def reduce(self, wrapped: Any, pipeline: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                ) -> Any:
         result = wrapped(*args, **kwargs)
-        if not rule.active:
+        if not self.rule.active:
             return result
         group = args[0] if args else kwargs.get("bucket_group")
-        guarded("GradReducePipeline._bucket_group_gradient_reduce", rule.reduced, pipeline,
-                list(group or ()))
+        self.guarded("GradReducePipeline._bucket_group_gradient_reduce", self.rule.reduced,
+                     pipeline, list(group or ()))
         return result
 
-    def init(wrapped: Any, pipeline: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def init(self, wrapped: Any, pipeline: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> Any:
         result = wrapped(*args, **kwargs)
-        if rule.active:
-            guarded("GradReducePipeline.__init__", rule.built, pipeline, watched)
+        if self.rule.active:
+            self.guarded("GradReducePipeline.__init__", self.rule.built, pipeline, self.watched)
         return result
-
-    targets: list[tuple[type, str, Any]] = [(pipe_cls, "_bucket_group_gradient_reduce", reduce),
-                                            (pipe_cls, "__init__", init)]
-    for spec, cls in zip(allocators, watched, strict=True):
-        targets += [(cls, spec.allocate, allocate_of(spec.cls)), (cls, spec.free,
-                                                                  free_of(spec.cls))]
-    undos: list[Undo] = []
-    try:
-        for owner, name, wrapper in targets:
-            undos.append(wrap_attribute(owner, name, wrapper, marker))
-    except Exception:
-        for done in undos:
-            done()
-        raise
-
-    def undo() -> bool:
-        return all([u() for u in undos])
-
-    return undo

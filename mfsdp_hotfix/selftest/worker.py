@@ -25,14 +25,18 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mfsdp_hotfix.compare import compare
 from mfsdp_hotfix.selftest import protocol as accumulation
 from mfsdp_hotfix.selftest.spec import CaseSpec
+
+if TYPE_CHECKING:  # at run time imported after the release is, by _install_checks
+    from mfsdp_hotfix.selftest.ordering import OrderingChecker
 
 STANDALONE = "megatron_fsdp"
 VENDORED = "megatron.core.distributed.fsdp.src.megatron_fsdp"
@@ -266,16 +270,47 @@ def _sgd_step(params: Any, lr: float) -> None:
 
 
 def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str, Any]:
+    """This rank's run of the case, as its report: ``crashed`` unless the run got through; the
+    case's exception, or ``cannot_import`` where the release is not here; on rank 0, how far
+    the gradients were from the reference; the ordering checker's and the hotfix's state."""
     started = time.perf_counter()
     report: dict[str, Any] = {"rank": rank, "crashed": True}
+    release = _import_release(spec, report)
+    if release is None:
+        return report
+    pgb, fully_shard = release
+    checker = _install_checks(spec, pgb)
+    _join_group(spec, rank, world, store_path)
+    inputs, targets = _batches(spec, world)
+    try:
+        fsdp = _build_fsdp(spec, fully_shard, world, report)
+        fsdp_started = time.perf_counter()
+        check = _train(spec, fsdp, inputs, targets, rank, world)
+        report["fsdp_s"] = time.perf_counter() - fsdp_started
+        report["crashed"] = False
+        if rank == 0:
+            report.update(check.fields())
+    except BaseException as exc:  # any failure is the case's outcome
+        report["exception"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc()[-4000:]
+    report["ordering"] = checker.summary()
+    audit = sys.modules.get("mfsdp_hotfix.audit")
+    if audit is not None:  # MFSDP_HOTFIX_AUDIT: this worker skips atexit, so finish it here
+        audit.finish()
+    report["hotfix_status"] = _hotfix_status()
+    report["worker_s"] = time.perf_counter() - started
+    return report
+
+
+def _import_release(spec: CaseSpec, report: dict[str, Any]
+                    ) -> tuple[ModuleType, ModuleType] | None:
+    """The release's ``param_and_grad_buffer`` and ``fully_shard`` modules, imported under the
+    ``torch.cuda`` stand-in (None: the copy asked for is not here, which ``report`` says)."""
     from mfsdp_hotfix.selftest import cuda_standin
 
     # First: resolve_flavour's lookup of ``megatron`` already fires the hotfix's import
     # trigger, which arms the audit on whatever torch.cuda is then (see cuda_standin.install).
     cuda_standin.install()
-    import torch
-    import torch.distributed as dist
-
     report["hotfix_status"] = _hotfix_status()
     if spec.hotfix == "late":  # the model is built before the hotfix installs
         from mfsdp_hotfix import trigger
@@ -287,13 +322,17 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
     except ImportError as exc:  # the copy asked for is not here: nothing can be tested
         report["cannot_import"] = {"module": exc.name, "error": f"{type(exc).__name__}: {exc}"}
         report["exception"] = report["cannot_import"]["error"]
-        return report
+        return None
     report["release"] = _release_info(flavour, package)
     pgb = importlib.import_module(package.__name__ + ".param_and_grad_buffer")
     fully_shard = importlib.import_module(package.__name__ + ".fully_shard")
     report["hotfix_status"] = _hotfix_status()  # again: hooks may have fired on that import
+    return pgb, fully_shard
 
-    from mfsdp_hotfix.selftest import model as model_lib
+
+def _install_checks(spec: CaseSpec, pgb: ModuleType) -> OrderingChecker:
+    """The ordering checker on the release's pools (returned, to read at the end), and gloo's
+    stand-in PREMUL_SUM where the case reduces with it."""
     from mfsdp_hotfix.selftest.ordering import OrderingChecker
 
     checker = OrderingChecker()
@@ -302,90 +341,136 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
         from mfsdp_hotfix.selftest import premul
 
         premul.install()
+    return checker
+
+
+def _join_group(spec: CaseSpec, rank: int, world: int, store_path: str) -> None:
+    """Join the case's gloo group, met at the file store the runner named."""
+    import torch.distributed as dist
 
     store = dist.FileStore(store_path, world)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=max(30.0, spec.timeout_s / 2)))
+
+
+def _batches(spec: CaseSpec, world: int) -> tuple[Any, Any]:
+    """The inputs and targets of every iteration, microbatch and rank (the same on every rank,
+    so that rank 0 can compute the reference)."""
+    import torch
+
+    from mfsdp_hotfix.selftest import model as model_lib
+
     dtype = getattr(torch, spec.dtype)
     inputs = model_lib.batches(spec.hidden, spec.tokens, world, spec.microbatches,
                                spec.iterations, spec.seed, dtype)
     targets = model_lib.batches(spec.hidden, spec.tokens, world, spec.microbatches,
                                 spec.iterations, spec.seed + 7, dtype)
-    try:
-        net = model_lib.build(spec.hidden, spec.units, spec.seed, spec.linear, dtype,
-                              spec.wide_units, spec.experts)
-        if spec.experts:  # expert-parallel over every rank: a group of their own
-            expert_parallel = dist.new_group(list(range(world)))
-            for module in net.modules():
-                if isinstance(module, model_lib.Experts):
-                    module.group = expert_parallel
-        fsdp = wrap(fully_shard, net, model_lib.Unit, spec.strategy, spec.double_buffer,
-                    torch.device("cpu"), spec.grad_reduce == "per-token", spec.options,
-                    spec.outer, spec.grad_comm_dtype, spec.protocol,
-                    spec.grad_reduce == "premul-sum", spec.overlap_grad_reduce,
-                    bool(spec.experts))
-        if spec.hotfix == "late":
-            import mfsdp_hotfix
+    return inputs, targets
 
-            mfsdp_hotfix.install()
-            report["apply_to_after_install"] = mfsdp_hotfix.apply_to(fsdp)
-        fsdp_started = time.perf_counter()
-        worst_abs, worst_rel, compared = 0.0, 0.0, 0
-        digest = hashlib.sha256()
-        per_param: dict[str, float] = {}
-        reference = _reference(spec, inputs, targets, dtype) if rank == 0 else None
-        for it in range(spec.iterations):
-            fsdp.zero_grad_buffer()
 
-            def microbatch(mb: int, it: int = it) -> None:
-                out = fsdp(inputs[it, mb, rank])
-                _rank_loss(spec, model_lib.loss_fn(out, targets[it, mb, rank]),
-                           world).backward()
+def _build_fsdp(spec: CaseSpec, fully_shard: ModuleType, world: int, report: dict[str, Any]
+                ) -> Any:
+    """The case's model wrapped by the release; with ``hotfix="late"``, the hotfix installed
+    after that and applied to it (what ``apply_to`` returned goes into ``report``)."""
+    import torch
+    import torch.distributed as dist
 
-            accumulation.accumulate(fsdp, spec.protocol, spec.microbatches, microbatch)
-            accumulation.finish(fsdp, spec.protocol)
-            named = dict(fsdp.module.named_parameters())
-            grads = _gather_full({n: p.grad for n, p in named.items()},
-                                 {n: tuple(p.shape) for n, p in named.items()},
-                                 1 if spec.strategy == "no_shard" else world // spec.outer)
-            for name in sorted(grads):
-                digest.update(name.encode())
-                digest.update(grads[name].contiguous().numpy().tobytes())
-            if reference is not None:
-                for name, want in reference[it].items():
-                    got = grads[name].reshape(want.shape)
-                    # not bit-identity (another computation): how far from it, NaN/Inf: inf
-                    diff = compare([{name: got}], [{name: want}]).max_abs
-                    if diff is None:
-                        diff = math.inf
-                    compared += 1
-                    scale = want.abs().max().item() or 1.0
-                    worst_abs = max(worst_abs, diff)
-                    worst_rel = max(worst_rel, diff / scale)
-                    if diff > 0:
-                        per_param[f"{name}@{it}"] = diff
-            if spec.lr:  # optimizer step on the shards, then back into the model's weights
-                _sgd_step(fsdp.module.parameters(), spec.lr)
-                fsdp.install_optimized_model_weights()
-        report["fsdp_s"] = time.perf_counter() - fsdp_started
-        report["crashed"] = False
-        if rank == 0:
-            report["grads_compared"] = compared  # gradients, over all iterations
-            report["max_abs_grad_error"] = worst_abs if compared else None  # none: no match
-            report["max_rel_grad_error"] = worst_rel
-            report["grad_digest"] = digest.hexdigest()
-            worst = sorted(per_param.items(), key=lambda kv: -kv[1])[:8]
-            report["worst_grads"] = dict(worst)
-    except BaseException as exc:  # any failure is the case's outcome
-        report["exception"] = f"{type(exc).__name__}: {exc}"
-        report["traceback"] = traceback.format_exc()[-4000:]
-    report["ordering"] = checker.summary()
-    audit = sys.modules.get("mfsdp_hotfix.audit")
-    if audit is not None:  # MFSDP_HOTFIX_AUDIT: this worker skips atexit, so finish it here
-        audit.finish()
-    report["hotfix_status"] = _hotfix_status()
-    report["worker_s"] = time.perf_counter() - started
-    return report
+    from mfsdp_hotfix.selftest import model as model_lib
+
+    net = model_lib.build(spec.hidden, spec.units, spec.seed, spec.linear,
+                          getattr(torch, spec.dtype), spec.wide_units, spec.experts)
+    if spec.experts:  # expert-parallel over every rank: a group of their own
+        expert_parallel = dist.new_group(list(range(world)))
+        for module in net.modules():
+            if isinstance(module, model_lib.Experts):
+                module.group = expert_parallel
+    fsdp = wrap(fully_shard, net, model_lib.Unit, spec.strategy, spec.double_buffer,
+                torch.device("cpu"), spec.grad_reduce == "per-token", spec.options,
+                spec.outer, spec.grad_comm_dtype, spec.protocol,
+                spec.grad_reduce == "premul-sum", spec.overlap_grad_reduce,
+                bool(spec.experts))
+    if spec.hotfix == "late":
+        import mfsdp_hotfix
+
+        mfsdp_hotfix.install()
+        report["apply_to_after_install"] = mfsdp_hotfix.apply_to(fsdp)
+    return fsdp
+
+
+def _train(spec: CaseSpec, fsdp: Any, inputs: Any, targets: Any, rank: int, world: int
+           ) -> _GradCheck:
+    """``spec.iterations`` training steps; each step's full gradients are digested, and on rank
+    0 compared with the reference's, before the SGD step on the shards."""
+    import torch
+
+    reference = _reference(spec, inputs, targets, getattr(torch, spec.dtype)) if rank == 0 else None
+    check = _GradCheck()
+    for it in range(spec.iterations):
+        grads = _step_gradients(spec, fsdp, inputs, targets, it, rank, world)
+        check.add(grads, it, reference[it] if reference is not None else None)
+        if spec.lr:  # optimizer step on the shards, then back into the model's weights
+            _sgd_step(fsdp.module.parameters(), spec.lr)
+            fsdp.install_optimized_model_weights()
+    return check
+
+
+def _step_gradients(spec: CaseSpec, fsdp: Any, inputs: Any, targets: Any, it: int, rank: int,
+                    world: int) -> dict[str, Any]:
+    """Iteration ``it``'s microbatches, driven as ``spec.protocol`` says, and the full
+    gradients then gathered from every rank's shards."""
+    from mfsdp_hotfix.selftest import model as model_lib
+
+    fsdp.zero_grad_buffer()
+
+    def microbatch(mb: int) -> None:
+        out = fsdp(inputs[it, mb, rank])
+        _rank_loss(spec, model_lib.loss_fn(out, targets[it, mb, rank]), world).backward()
+
+    accumulation.accumulate(fsdp, spec.protocol, spec.microbatches, microbatch)
+    accumulation.finish(fsdp, spec.protocol)
+    named = dict(fsdp.module.named_parameters())
+    return _gather_full({n: p.grad for n, p in named.items()},
+                        {n: tuple(p.shape) for n, p in named.items()},
+                        1 if spec.strategy == "no_shard" else world // spec.outer)
+
+
+@dataclass
+class _GradCheck:
+    """The gathered gradients of every iteration: a digest of them, and how far they are from
+    the reference's where rank 0 compared them."""
+
+    digest: Any = field(default_factory=hashlib.sha256)
+    worst_abs: float = 0.0
+    worst_rel: float = 0.0
+    compared: int = 0
+    per_param: dict[str, float] = field(default_factory=dict)  # "name@iteration" -> error > 0
+
+    def add(self, grads: dict[str, Any], it: int, reference: dict[str, Any] | None) -> None:
+        """Iteration ``it``'s gradients, and (rank 0) the reference's for that iteration."""
+        for name in sorted(grads):
+            self.digest.update(name.encode())
+            self.digest.update(grads[name].contiguous().numpy().tobytes())
+        for name, want in (reference or {}).items():
+            got = grads[name].reshape(want.shape)
+            # not bit-identity (another computation): how far from it, NaN/Inf: inf
+            diff = compare([{name: got}], [{name: want}]).max_abs
+            if diff is None:
+                diff = math.inf
+            self.compared += 1
+            scale = want.abs().max().item() or 1.0
+            self.worst_abs = max(self.worst_abs, diff)
+            self.worst_rel = max(self.worst_rel, diff / scale)
+            if diff > 0:
+                self.per_param[f"{name}@{it}"] = diff
+
+    def fields(self) -> dict[str, Any]:
+        """Rank 0's report fields."""
+        worst = sorted(self.per_param.items(), key=lambda kv: -kv[1])[:8]
+        return {"grads_compared": self.compared,  # gradients, over all iterations
+                "max_abs_grad_error": self.worst_abs if self.compared else None,  # none: no match
+                "max_rel_grad_error": self.worst_rel,
+                "grad_digest": self.digest.hexdigest(),
+                "worst_grads": dict(worst)}
 
 
 def main(argv: list[str]) -> int:
