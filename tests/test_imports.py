@@ -56,12 +56,31 @@ def find_cycle(graph: dict[str, set[str]]) -> None:
         visit(node, [])
 
 
-def test_no_import_cycle() -> None:
+def package_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the package modules it imports."""
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {module_name(p) for p in paths}
-    graph = {module_name(p): imports(p, modules) for p in paths}
+    return {module_name(p): imports(p, modules) for p in paths}
+
+
+def test_no_import_cycle() -> None:
+    graph = package_graph()
     assert graph["mfsdp_hotfix.installer"], "the graph must see relative imports"
     find_cycle(graph)
+
+
+def test_only_the_cli_imports_the_commands() -> None:
+    """cli.py (the parser and the dispatch) is the top: it imports the commands, which import
+    the layers below them; no layer below imports a command or cli.py."""
+    graph = package_graph()
+    top = {"mfsdp_hotfix.cli", "mfsdp_hotfix.__main__"}
+    commands = {name for name in graph if name.startswith("mfsdp_hotfix.commands")}
+    assert {"mfsdp_hotfix.commands.status", "mfsdp_hotfix.commands.exits"} <= commands
+    assert graph["mfsdp_hotfix.cli"] >= {"mfsdp_hotfix.commands.status"}
+    for name, imported in graph.items():
+        if name not in top:
+            allowed = commands if name in commands else set()
+            assert not imported & ({"mfsdp_hotfix.cli"} | commands) - allowed, name
 
 
 def script_graph() -> dict[str, set[str]]:
