@@ -6,7 +6,10 @@ They read the package's lower layers; nothing below imports them.
 from __future__ import annotations
 
 import argparse
-from typing import Protocol
+from typing import Protocol, TypeAlias
+
+# What ``ArgumentParser.add_subparsers()`` returns (generic for type checkers only).
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 class Command(Protocol):
@@ -14,8 +17,7 @@ class Command(Protocol):
 
     NAME: str
 
-    def add_parser(self, commands: argparse._SubParsersAction[argparse.ArgumentParser]
-                   ) -> argparse.ArgumentParser:
+    def add_parser(self, commands: Subparsers) -> argparse.ArgumentParser:
         """Add the command's subparser, with its options, to the top-level parser's
         ``commands``; returns it."""
 

@@ -10,14 +10,14 @@ import os
 import sys
 
 from .. import settings
+from . import Subparsers
 from .exits import CANNOT_START, USAGE_ERROR
-from .run import command_after_dashes, pythonpath_with_bootstrap
+from .run import add_command_argument, command_after_dashes, pythonpath_with_bootstrap
 
 NAME = "audit"
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
-               ) -> argparse.ArgumentParser:
+def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
     audit = commands.add_parser(
         NAME, help="run a job with the on-the-job audit, then summarise it",
         usage="mfsdp-hotfix audit --out PATH -- COMMAND [ARGS...]",
@@ -38,8 +38,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
                        help="delete rank files PATH.rank<N>.json of an earlier run before "
                             "running (without it, their presence stops the audit before it "
                             "runs anything)")
-    audit.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
-                       help="the command and its arguments, after --")
+    add_command_argument(audit)
     return audit
 
 

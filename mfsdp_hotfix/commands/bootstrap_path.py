@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 
 from .. import bootstrap
+from . import Subparsers
 
 NAME = "bootstrap-path"
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
-               ) -> argparse.ArgumentParser:
+def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
     return commands.add_parser(NAME, help="print the folder to prepend to PYTHONPATH",
                                description="Print the folder holding the hotfix's sitecustomize, "
                                            "for job scripts: PYTHONPATH=$(mfsdp-hotfix "

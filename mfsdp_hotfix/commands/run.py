@@ -8,21 +8,20 @@ import os
 import sys
 
 from .. import bootstrap
+from . import Subparsers
 from .exits import CANNOT_START
 
 NAME = "run"
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
-               ) -> argparse.ArgumentParser:
+def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
     run = commands.add_parser(NAME, help="run a command with the hotfix on every process",
                               usage="mfsdp-hotfix run -- COMMAND [ARGS...]",
                               description="Run COMMAND with the hotfix's sitecustomize first on "
                                           "PYTHONPATH, so that it and every Python process it "
                                           "starts load the hotfix (for environments that do not "
                                           "process site-packages .pth files).")
-    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
-                     help="the command and its arguments, after --")
+    add_command_argument(run)
     return run
 
 
@@ -34,6 +33,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except OSError as exc:
         print(f"mfsdp-hotfix run: cannot start {command[0]!r}: {exc}", file=sys.stderr)
         return CANNOT_START
+
+
+def add_command_argument(parser: argparse.ArgumentParser) -> None:
+    """COMMAND and its arguments, after ``--`` (read back by :func:`command_after_dashes`)."""
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
+                        help="the command and its arguments, after --")
 
 
 def command_after_dashes(command: list[str], parser: argparse.ArgumentParser,

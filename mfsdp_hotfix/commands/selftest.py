@@ -13,6 +13,7 @@ from .. import settings, tree
 from ..selftest.gpu_spec import LAYERS as GPU_LAYERS
 from ..selftest.protocol import DEFAULT as DEFAULT_PROTOCOL
 from ..selftest.protocol import PROTOCOLS
+from . import Subparsers
 from .exits import SELFTEST_CANNOT_RUN, SELFTEST_FAIL, SELFTEST_PASS
 
 NAME = "selftest"
@@ -20,8 +21,7 @@ CANNOT_RUN = "CANNOT RUN"
 GPU_ONLY = ("gpus", "layer", "delay_ms", "zero", "dtype", "timeout")
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
-               ) -> argparse.ArgumentParser:
+def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
     test = commands.add_parser(
         NAME, help="prove the fix on this install (CPU, 2 ranks)",
         description="Train a small model with this environment's torch and Megatron-FSDP on CPU "

@@ -12,15 +12,15 @@ import site
 import sys
 from typing import Any
 
-from .. import bootstrap, installer, reporting, settings, tree, variables
+from .. import bootstrap, installer, registry, reporting, settings, tree, variables
+from . import Subparsers
 from .exits import CHECK_OK, CHECK_UNFIXED
 from .output import emit
 
 NAME = "status"
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
-               ) -> argparse.ArgumentParser:
+def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
     show = commands.add_parser(
         NAME, help="affected? protected? then each copy found and its fixes",
         description="For a new Python process of this environment: first one line, whether a "
@@ -244,12 +244,10 @@ def _copy_lines(copy: dict[str, Any]) -> list[str]:
 def _carrier_words(carrier: dict[str, Any]) -> str:
     """``_bucket_group_gradient_reduce: the code of megatron-core 0.14``: where the copy's code
     has the defect."""
-    name = carrier["function"].rsplit(".", 1)[-1]
-    shape = carrier["shape"]
-    if shape is None:
+    name = registry.short_name(carrier["function"])
+    if carrier["shape"] is None:
         return f"{name} has a code shape the hotfix does not know: the copy may have it"
-    return f"{name}: the code of megatron-core {shape}" if re.fullmatch(r"\d+\.\d+", shape) \
-        else f"{name}: {shape}"
+    return f"{name}: {_shape_words(carrier['shape'])}"
 
 
 def _v2_lines(v2_copies: list[dict[str, Any]], verbose: bool) -> list[str]:
@@ -265,7 +263,7 @@ def _shape_line(qualname: str, found: dict[str, Any], fingerprint: str | None,
                 copy: dict[str, Any]) -> str:
     """``main_grad_getter: as shipped in megatron-fsdp 0.4.0-0.5.1 (and megatron-core
     0.17.0-0.18.2; unguarded)``: the copy's own distribution first."""
-    name = qualname.rsplit(".", 1)[-1]
+    name = registry.short_name(qualname)
     if found["shape"] is None:
         return f"{name}: unknown shape (" + (f"fingerprint {fingerprint[:12]})" if fingerprint
                                              else "not found)")
@@ -278,7 +276,13 @@ def _shape_line(qualname: str, found: dict[str, Any], fingerprint: str | None,
         also = ", ".join(other if own else [])
         return (f"{name}: as shipped in {shipped} ("
                 + (f"and {also}; " if also else "") + f"{found['implies']})")
-    shape = found["shape"]
+    return (f"{name}: {_shape_words(found['shape'])}, recognised by {found['matched_by']} "
+            f"({found['implies']})")
+
+
+def _shape_words(shape: str) -> str:
+    """``the code of megatron-core 0.14`` for a shape named after a megatron-core release, else
+    the shape's own name (``drains before fetching``)."""
     if re.fullmatch(r"\d+\.\d+", shape):  # shapes are named after megatron-core releases
-        shape = f"the code of megatron-core {shape}"
-    return f"{name}: {shape}, recognised by {found['matched_by']} ({found['implies']})"
+        return f"the code of megatron-core {shape}"
+    return shape
