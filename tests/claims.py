@@ -294,12 +294,12 @@ def class_defaults(module: str, name: str) -> dict[str, Any]:
 @functools.cache
 def exit_statuses() -> dict[str, int]:
     """Every exit status of mfsdp-hotfix's commands, by the name the code gives it
-    (``cli.py``, ``tree.py``, and the audit's verdicts, ``audit/report.py``)."""
-    cli, tree = code_constants("cli.py"), code_constants("tree.py")
+    (``commands/exits.py``, ``tree.py``, and the audit's verdicts, ``audit/report.py``)."""
+    exits, tree = code_constants("commands/exits.py"), code_constants("tree.py")
     audit = code_constants("audit/report.py")
-    out = {name: cli[name] for name in ("USAGE_ERROR", "CHECK_OK", "CHECK_UNFIXED",
-                                        "SELFTEST_PASS", "SELFTEST_FAIL", "SELFTEST_CANNOT_RUN",
-                                        "BROKEN_PIPE", "CANNOT_START")}
+    out = {name: exits[name] for name in ("USAGE_ERROR", "CHECK_OK", "CHECK_UNFIXED",
+                                          "SELFTEST_PASS", "SELFTEST_FAIL", "SELFTEST_CANNOT_RUN",
+                                          "BROKEN_PIPE", "CANNOT_START")}
     out.update({name: tree[name] for name in ("NOT_A_FOLDER", "NOTHING_FOUND")})
     out.update({verdict: code for verdict, (_, _, code) in audit["VERDICTS"].items()})
     out["SIGNALLED"] = audit["SIGNALLED"]

@@ -415,8 +415,9 @@ def test_one_table_lists_every_exit_status_of_every_command() -> None:
     """docs/CLI.md's table of exit statuses names each status the code can return."""
     from conftest import REPO
 
-    from mfsdp_hotfix import cli, tree
+    from mfsdp_hotfix import tree
     from mfsdp_hotfix.audit.report import VERDICTS
+    from mfsdp_hotfix.commands import exits
 
     text = (REPO / "docs" / "CLI.md").read_text()
     table = text.split("## Exit statuses", 1)[1].split("\n\n")[1]
@@ -427,14 +428,14 @@ def test_one_table_lists_every_exit_status_of_every_command() -> None:
         statuses |= {int(n) for n in re.findall(r"\b(\d{1,3})\b(?= for| when|:)", cells[3])}
         documented[command.strip("`").split("`")[0]] = statuses
     code = {
-        "status": {cli.CHECK_OK, cli.CHECK_UNFIXED, tree.NOT_A_FOLDER, tree.NOTHING_FOUND},
-        "selftest": {cli.SELFTEST_PASS, cli.SELFTEST_FAIL, cli.SELFTEST_CANNOT_RUN},
-        "run": {cli.CANNOT_START},
-        "audit": {0, cli.CANNOT_START, *(status for _, _, status in VERDICTS.values())},
+        "status": {exits.CHECK_OK, exits.CHECK_UNFIXED, tree.NOT_A_FOLDER, tree.NOTHING_FOUND},
+        "selftest": {exits.SELFTEST_PASS, exits.SELFTEST_FAIL, exits.SELFTEST_CANNOT_RUN},
+        "run": {exits.CANNOT_START},
+        "audit": {0, exits.CANNOT_START, *(status for _, _, status in VERDICTS.values())},
     }
-    assert documented["any"] >= {cli.USAGE_ERROR, cli.BROKEN_PIPE}
+    assert documented["any"] >= {exits.USAGE_ERROR, exits.BROKEN_PIPE}
     for command, statuses in code.items():
-        assert documented[command] >= statuses | {cli.USAGE_ERROR}, command
+        assert documented[command] >= statuses | {exits.USAGE_ERROR}, command
 
 
 @pytest.fixture

@@ -58,6 +58,7 @@ def find_cycle(graph: dict[str, set[str]]) -> None:
 
 
 def package_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the package modules it imports."""
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {module_name(p) for p in paths}
     return {module_name(p): imports(p, modules) for p in paths}

@@ -14,6 +14,7 @@ import releases
 from conftest import run_python
 
 from mfsdp_hotfix import cli, registry, tree
+from mfsdp_hotfix.commands import exits
 
 VENDORED = "megatron/core/distributed/fsdp/src/megatron_fsdp"
 
@@ -153,12 +154,12 @@ def test_cli_text_json_and_check(capsys: pytest.CaptureFixture[str], tmp_path: P
     refused.mkdir(parents=True)
     (refused / "param_and_grad_buffer.py").write_text("")
     code, out, _ = run_cli(capsys, "--path", str(tmp_path), "--check")
-    assert code == cli.CHECK_UNFIXED and out.startswith(
+    assert code == exits.CHECK_UNFIXED and out.startswith(
         "affected: megatron-core 0.13 custom_fsdp (no version metadata, not recognised) — NOT "
         "protected: getter-guard, ordered-drain left as shipped (its main_grad getter is a "
         "class-level property"), out
     code, out, _ = run_cli(capsys, "--path", str(tmp_path), "--check", "--verbose")
-    assert code == cli.CHECK_UNFIXED and "Left unfixed:" in out
+    assert code == exits.CHECK_UNFIXED and "Left unfixed:" in out
 
 
 @pytest.mark.parametrize("make, status, words", [
@@ -183,7 +184,7 @@ def test_a_release_with_a_defect_no_fix_repairs_fails_the_check(
     sharded-gradient scaling, which no fix repairs: NOT protected, and --check exits 1."""
     release = str(releases.unpacked("megatron-fsdp", "0.2.3"))
     code, out, _ = run_cli(capsys, "--path", release, "--check", "--verbose")
-    assert code == cli.CHECK_UNFIXED and out.startswith(
+    assert code == exits.CHECK_UNFIXED and out.startswith(
         "affected: megatron-fsdp 0.2.3 (era A) — NOT protected: sharded-grads-summed-unscaled is "
         "not repaired by the hotfix (it hits ZeRO-2/3"), out
     assert ("    release defect sharded-grads-summed-unscaled: NOT repaired (no fix repairs it; "
@@ -191,4 +192,4 @@ def test_a_release_with_a_defect_no_fix_repairs_fails_the_check(
     assert ("    _bucket_group_gradient_reduce: the code of megatron-core 0.14, recognised by "
             "fingerprint (has sharded-grads-summed-unscaled, which no fix repairs)") in out
     code, out, _ = run_cli(capsys, "--path", release, "--json", "--check")
-    assert code == cli.CHECK_UNFIXED and json.loads(out)["verdict"]["protected"] is False
+    assert code == exits.CHECK_UNFIXED and json.loads(out)["verdict"]["protected"] is False

@@ -1,0 +1,16 @@
+"""The exit statuses of ``mfsdp-hotfix``'s commands, named once (docs/CLI.md tabulates them;
+``tree.py`` names those of ``status --path``, ``audit/report.py`` those of the audit's verdicts)."""
+
+# Exit status of a usage error (argparse's): no command, an unknown one, a bad option.
+USAGE_ERROR = 2
+# Exit codes of ``status --check``.
+CHECK_OK, CHECK_UNFIXED = 0, 1
+# Exit codes of ``selftest``: PASS, FAIL (a fix failed), and CANNOT RUN here (no torch, no
+# numpy; --gpu: no CUDA GPU), a word of its own so that a grep for FAIL counts broken fixes only.
+SELFTEST_PASS, SELFTEST_FAIL, SELFTEST_CANNOT_RUN = 0, 1, 2
+# A reader that closed the pipe early (``mfsdp-hotfix status | head -1``): the shell's status
+# for a command killed by SIGPIPE.
+BROKEN_PIPE = 141
+# ``run`` and ``audit`` when COMMAND cannot be started (the shell's status for a command not
+# found or not executable).
+CANNOT_START = 127
