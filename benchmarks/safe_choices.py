@@ -60,7 +60,7 @@ VALIDATION = os.path.join(REPO, "validation")
 sys.path.insert(0, VALIDATION)
 
 from harness import pct, release_version  # noqa: E402 - stdlib-only at import
-from run_matrix import REL, unpack_releases  # noqa: E402 - stdlib-only at import
+from release_wheels import REL, unpack_releases  # noqa: E402 - stdlib-only at import
 
 REFERENCE = "hotfix"
 VARIANTS = [  # key, hotfix imported, fuse_wgrad_accumulation, fsdp_double_buffer, title

@@ -27,12 +27,12 @@ import fuzz  # noqa: E402
 import gpu_phases  # noqa: E402
 import gpu_report  # noqa: E402
 import harness  # noqa: E402
-import run_matrix  # noqa: E402
+import release_wheels  # noqa: E402
 import schedule_faults  # noqa: E402
 import te_layers  # noqa: E402
 import te_matrix  # noqa: E402
 
-RELEASES = list(run_matrix.RELEASED)  # the released ones; the N-slot trees have their own phase
+RELEASES = list(release_wheels.RELEASED)  # the released ones; the N-slot trees have their own phase
 
 
 def test_a_seed_is_its_configuration_and_schedule() -> None:

@@ -89,7 +89,7 @@ def test_no_import_cycle_in_the_scripts() -> None:
 
 def test_validation_phases_import_the_engine_not_each_other() -> None:
     """fuzz and te_matrix plan their phase on the engine and the shared helpers below it (workdir,
-    run_matrix's release table); the driver above them (gpu_phases) puts the phases together."""
+    release_wheels' release table); the driver above them (gpu_phases) puts the phases together."""
     graph = script_graph()
     phases = {"fuzz", "te_matrix", "gpu_phases", "core_gpt"}
     for phase in ("fuzz", "te_matrix"):

@@ -627,7 +627,8 @@ def truth_pairs(results):
 def driver_main(a):
     t0 = time.time()
     sys.path.insert(0, HERE)
-    from run_matrix import calibrate, unpack_releases
+    from release_wheels import unpack_releases
+    from run_matrix import calibrate
     rel_paths = {k: v for k, v in unpack_releases(os.path.join(HERE, "wheels")).items()
                  if k in a.releases}
     rel_paths.update(kv.split("=", 1) for kv in a.release_path)

@@ -26,11 +26,11 @@ sys.path.insert(0, HERE)
 
 import engine  # noqa: E402
 import fuzz  # noqa: E402
-import run_matrix  # noqa: E402
+import release_wheels  # noqa: E402
 import te_matrix  # noqa: E402
 import workdir  # noqa: E402
 
-ALL = list(run_matrix.RELEASED)
+ALL = list(release_wheels.RELEASED)
 PHASES = ("smoke", "fuzz", "te", "long", "oracles", "maxpool", "nslot", "upstream")
 LONG = dict(hidden=256, units=[{"ffn": f, "norm": i == 3} for i, f in
                                enumerate((512, 1024, 768, 512, 1024, 256))],
@@ -267,7 +267,7 @@ def main() -> None:
                 print(f"   {j['name']}: {len(j['specs'])} cases, te={j['te']}, env={j['env']}")
         return
     os.makedirs(a.out, exist_ok=True)
-    rel_paths = run_matrix.unpack_releases(a.wheels)
+    rel_paths = release_wheels.unpack_releases(a.wheels)
     if a.cpu:
         os.environ["MFSDP_VAL_CPU"] = "1"
         cal: dict[str, Any] = {"cycles_per_ms": 0.0, "gpu": "cpu (test mode)"}
