@@ -59,8 +59,9 @@ REPO = os.path.dirname(HERE)
 VALIDATION = os.path.join(REPO, "validation")
 sys.path.insert(0, VALIDATION)
 
-from harness import pct, release_version  # noqa: E402 - stdlib-only at import
-from run_matrix import REL, unpack_releases  # noqa: E402 - stdlib-only at import
+from harness_process import release_version  # noqa: E402 - stdlib-only at import
+from release_wheels import REL, unpack_releases  # noqa: E402 - stdlib-only at import
+from step_timing import pct  # noqa: E402 - stdlib-only at import
 
 REFERENCE = "hotfix"
 VARIANTS = [  # key, hotfix imported, fuse_wgrad_accumulation, fsdp_double_buffer, title

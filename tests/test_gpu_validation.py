@@ -26,13 +26,13 @@ import engine  # noqa: E402
 import fuzz  # noqa: E402
 import gpu_phases  # noqa: E402
 import gpu_report  # noqa: E402
-import harness  # noqa: E402
-import run_matrix  # noqa: E402
+import release_wheels  # noqa: E402
 import schedule_faults  # noqa: E402
+import serialized_truth  # noqa: E402
 import te_layers  # noqa: E402
 import te_matrix  # noqa: E402
 
-RELEASES = list(run_matrix.RELEASED)  # the released ones; the N-slot trees have their own phase
+RELEASES = list(release_wheels.RELEASED)  # the released ones; the N-slot trees have their own phase
 
 
 def test_a_seed_is_its_configuration_and_schedule() -> None:
@@ -90,25 +90,26 @@ def test_outcome_is_exact_only_when_every_bit_is_the_same() -> None:
     """The harness's record of mfsdp_hotfix/compare.py: gradients per step, losses and final
     parameters with the last step, and how much it compared."""
     ref = run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0])
-    same = harness.compare(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0]), ref)
+    same = serialized_truth.compare(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0]), ref)
     assert same["outcome"] == "exact" and same["max_abs_diff"] == 0.0 and same["rel_l2"] == 0.0
     assert (same["steps_compared"], same["tensors_compared"]) == (2, 4)
     assert same["losses_exact"] and same["params_exact"]
-    grad = harness.compare(run([[1.0, 0.0], [2.0, 3.5]], [0.5, 0.25], [1.0, 2.0]), ref)
+    grad = serialized_truth.compare(run([[1.0, 0.0], [2.0, 3.5]], [0.5, 0.25], [1.0, 2.0]), ref)
     assert grad["outcome"] == "wrong" and grad["max_abs_diff"] == 0.5
     assert grad["first_bad_step"] == 1
-    signed_zero = harness.compare(run([[1.0, -0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0]), ref)
+    signed_zero = serialized_truth.compare(run([[1.0, -0.0], [2.0, 3.0]], [0.5, 0.25],
+                                               [1.0, 2.0]), ref)
     assert signed_zero["outcome"] == "wrong" and signed_zero["max_abs_diff"] == 0.0
-    loss = harness.compare(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.3], [1.0, 2.0]), ref)
+    loss = serialized_truth.compare(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.3], [1.0, 2.0]), ref)
     assert loss["outcome"] == "wrong" and loss["losses_exact"] is False
-    param = harness.compare(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.5]), ref)
+    param = serialized_truth.compare(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.5]), ref)
     assert param["outcome"] == "wrong" and param["params_exact"] is False
-    nothing = harness.compare(run([], [0.5]), run([], [0.5]))
+    nothing = serialized_truth.compare(run([], [0.5]), run([], [0.5]))
     assert nothing["outcome"] == "wrong" and nothing["not_exact_because"] == ["no step compared"]
-    nan = harness.compare(run([[float("nan")]], [0.5]), run([[float("nan")]], [0.5]))
+    nan = serialized_truth.compare(run([[float("nan")]], [0.5]), run([[float("nan")]], [0.5]))
     assert nan["outcome"] == "wrong" and nan["max_abs_diff"] is None
-    assert harness.digest(ref) == harness.digest(run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25],
-                                                     [1.0, 2.0]))
+    assert serialized_truth.digest(ref) == serialized_truth.digest(
+        run([[1.0, 0.0], [2.0, 3.0]], [0.5, 0.25], [1.0, 2.0]))
 
 
 def record(phase: str, release: str, variant: str, **kw: object) -> dict[str, object]:
@@ -325,7 +326,7 @@ def test_smoke_phase_runs_end_to_end_on_cpu(wheels: Path, tmp_path: Path) -> Non
 DELAYED_WGRAD = """
 import json, sys
 sys.path.insert(0, "validation"); sys.path.insert(0, "tests")
-import fake_te, harness, te_layers, torch
+import fake_te, harness, serialized_truth, te_layers, torch
 te_layers.import_te = lambda: fake_te.te
 out = {}
 for fuse, dw in ((True, False), (True, True), (False, True)):
@@ -335,7 +336,7 @@ for fuse, dw in ((True, False), (True, True), (False, True)):
                               delay_wgrad=dw, truth={"mode": "save", "path": path}))
     out[f"{fuse}_{dw}"] = {"error": r["error"], "hooks": r.get("delay_wgrad_hooks"),
                            "unsupported": r.get("unsupported"), "crashed": r["crashed"],
-                           "same": None if r["error"] else harness.compare(
+                           "same": None if r["error"] else serialized_truth.compare(
                                torch.load(path), torch.load(f"{sys.argv[1]}/True_False.pt")
                            )["outcome"]}
 print(json.dumps(out))

@@ -141,9 +141,10 @@ def test_the_megatron_lm_phases_look_only_down() -> None:
 
 def test_validation_phases_import_the_engine_not_each_other() -> None:
     """fuzz and te_matrix plan their phase on the engine and the shared helpers below it (workdir,
-    run_matrix's release table); the driver above them (gpu_phases) puts the phases together."""
+    release_wheels' release table); the driver above them (gpu_phases) puts the phases together."""
     graph = script_graph()
-    phases = {"fuzz", "te_matrix", "gpu_phases", "core_gpt"}
+    phases = {"fuzz", "te_matrix", "gpu_phases", "core_gpt", "core_gpt_case", "run_matrix",
+              "matrix_cases"}
     for phase in ("fuzz", "te_matrix"):
         assert not graph[phase] & phases, (phase, graph[phase])
 

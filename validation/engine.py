@@ -28,13 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 import comparison
-import run_matrix
+import release_wheels
 import workdir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-# short name -> (wheel glob, import path), from the one release table (run_matrix.RELEASES)
-RELEASES = {name: (pattern, pkg) for name, pattern, pkg in run_matrix.RELEASES}
+# short name -> (wheel glob, import path), from the one release table (release_wheels.RELEASES)
+RELEASES = {name: (pattern, pkg) for name, pattern, pkg in release_wheels.RELEASES}
 TE_RC = "/tmp/te-setup.rc"
 TE_ENV = "/tmp/te-env.sh"
 

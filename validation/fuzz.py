@@ -134,9 +134,9 @@ def main() -> None:
         for s in a.seed:
             print(json.dumps({"seed": s, **draw(s, a.te_share)}, indent=1))
         return
-    import run_matrix
+    import release_wheels
 
-    rel_paths = run_matrix.unpack_releases(a.wheels)
+    rel_paths = release_wheels.unpack_releases(a.wheels)
     if a.cpu:
         os.environ["MFSDP_VAL_CPU"] = "1"
         cpm = 0.0

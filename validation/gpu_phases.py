@@ -14,7 +14,6 @@ rewritten as records come in, so a run cut short leaves what it had) and prints 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import sys
@@ -26,11 +25,12 @@ sys.path.insert(0, HERE)
 
 import engine  # noqa: E402
 import fuzz  # noqa: E402
-import run_matrix  # noqa: E402
+import release_wheels  # noqa: E402
 import te_matrix  # noqa: E402
 import workdir  # noqa: E402
+from phase_records import Output, summarize  # noqa: E402
 
-ALL = list(run_matrix.RELEASED)
+ALL = list(release_wheels.RELEASED)
 PHASES = ("smoke", "fuzz", "te", "long", "oracles", "maxpool", "nslot", "upstream")
 LONG = dict(hidden=256, units=[{"ffn": f, "norm": i == 3} for i, f in
                                enumerate((512, 1024, 768, 512, 1024, 256))],
@@ -173,65 +173,7 @@ def shrink(jobs: list[dict[str, Any]]) -> None:
                 s["ffn"] = max(16, int(s.get("ffn", 1024)) // 16)
 
 
-class Output:
-    """One gzip'd JSON per phase, rewritten (at most every 20 s) as records come in."""
-
-    def __init__(self, out: str, phase: str, meta: dict[str, Any]) -> None:
-        self.path = os.path.join(out, f"{phase}.json.gz")
-        self.doc = dict(meta, phase=phase, records=[], complete=False)
-        self.last = 0.0
-
-    def add(self, recs: list[dict[str, Any]]) -> None:
-        self.doc["records"] += [slim(r) for r in recs]
-        if time.time() - self.last > 20:
-            self.write()
-
-    def write(self, complete: bool = False) -> None:
-        self.doc["complete"] = complete
-        self.doc["written_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-        tmp = self.path + ".tmp"
-        with gzip.open(tmp, "wt") as f:
-            json.dump(self.doc, f, default=str)
-        os.replace(tmp, self.path)
-        self.last = time.time()
-
-
-def slim(rec: dict[str, Any]) -> dict[str, Any]:
-    """Drop what makes the raw file big and says nothing (the full hotfix status per case)."""
-    r = dict(rec)
-    st = r.pop("hotfix_status", None)
-    if isinstance(st, dict):
-        r["hotfix_summary"] = {k: st.get(k) for k in ("mfsdp_hotfix", "hotfix", "failures")}
-        r["hotfix_fixes"] = [{"package": c.get("package"), "era": c.get("era"),
-                              "fixes": {name: f.get("state") for name, f in
-                                        (c.get("fixes") or {}).items()}}
-                             for c in st.get("copies", [])][:3]
-    return r
-
-
-def summarize(recs: list[dict[str, Any]]) -> str:
-    counts: dict[tuple[str, str], dict[str, int]] = {}
-    for r in recs:
-        s = r.get("spec") or {}
-        if (s.get("truth") or {}).get("mode") == "save":
-            key = ("serialized", "crash" if r.get("crashed") else
-                   ("skipped" if r.get("skipped") else "saved"))
-        elif s.get("oracle") == "sanitizer":
-            key = ("sanitizer:" + str(s.get("variant")),
-                   "race reported" if r.get("error_type") == "CUDASanitizerErrors" else
-                   ("crash" if r.get("crashed") else ("skipped" if r.get("skipped") else "clean")))
-        else:
-            v = s.get("te_variant") or s.get("oracle_variant") or s.get("variant")
-            key = (str(v), r.get("skipped") and "skipped" or
-                   (r.get("comparison") or {}).get("outcome", "crash" if r.get("crashed")
-                                                   else "?"))
-        d = counts.setdefault((key[0], ""), {})
-        d[key[1]] = d.get(key[1], 0) + 1
-    return "; ".join(f"{k[0]}: " + ", ".join(f"{n} {o}" for o, n in sorted(v.items()))
-                     for k, v in sorted(counts.items()))
-
-
-def main() -> None:
+def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phases", nargs="+", required=True, choices=PHASES)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/mfsdp_out"))
@@ -255,35 +197,35 @@ def main() -> None:
                     help="test mode: CPU tensors and the torch.cuda stand-in, no faults, no TE")
     ap.add_argument("--tiny", action="store_true",
                     help="test mode: shrink every case (hidden 32, 32 tokens, ffn / 16, 3 steps)")
-    a = ap.parse_args()
-    t0 = time.time()
-    if a.dry:
-        te = True
-        for phase in a.phases:
-            jobs = phase_jobs(phase, a, te)
-            n = sum(len(j["specs"]) for j in jobs)
-            print(f"== {phase}: {len(jobs)} jobs, {n} cases")
-            for j in jobs:
-                print(f"   {j['name']}: {len(j['specs'])} cases, te={j['te']}, env={j['env']}")
-        return
-    os.makedirs(a.out, exist_ok=True)
-    rel_paths = run_matrix.unpack_releases(a.wheels)
+    return ap.parse_args()
+
+
+def dry_run(a: argparse.Namespace) -> None:
+    """List every phase's jobs (no GPU: planning only)."""
+    te = True
+    for phase in a.phases:
+        jobs = phase_jobs(phase, a, te)
+        n = sum(len(j["specs"]) for j in jobs)
+        print(f"== {phase}: {len(jobs)} jobs, {n} cases")
+        for j in jobs:
+            print(f"   {j['name']}: {len(j['specs'])} cases, te={j['te']}, env={j['env']}")
+
+
+def calibration(a: argparse.Namespace) -> dict[str, Any]:
+    """The GPU's sleep cycles per ms; in CPU test mode none, and the cases told to run on CPU."""
     if a.cpu:
         os.environ["MFSDP_VAL_CPU"] = "1"
-        cal: dict[str, Any] = {"cycles_per_ms": 0.0, "gpu": "cpu (test mode)"}
-    else:
-        cal = engine.calibrate()
-    print(json.dumps({"calibration": cal["cycles_per_ms"], "gpu": cal.get("gpu"),
-                      "releases": sorted(rel_paths), "te": engine.te_state()}), flush=True)
-    deadline = t0 + a.budget_s
+        return {"cycles_per_ms": 0.0, "gpu": "cpu (test mode)"}
+    return engine.calibrate()
 
-    def limit() -> int:
-        return a.build_workers if engine.te_state() == "building" else a.workers
 
-    # one queue for all phases, in the order given (the order is the priority when the budget
-    # runs out); TE jobs wait while TE is being built, and later emulated jobs run meanwhile
+def queue(a: argparse.Namespace, cal: dict[str, Any]
+          ) -> tuple[list[dict[str, Any]], dict[str, Output]]:
+    """One queue for all phases, in the order given (the order is the priority when the budget
+    runs out), and each phase's raw file; TE jobs wait while TE is being built, and later
+    emulated jobs run meanwhile."""
     te = engine.te_state() in ("ready", "building")
-    jobs, outputs, started = [], {}, time.time()
+    jobs, outputs = [], {}
     for phase in a.phases:
         pj = phase_jobs(phase, a, te)
         if a.tiny:
@@ -297,6 +239,12 @@ def main() -> None:
             "run": workdir.run_id()})
         print(f"== phase {phase}: {len(pj)} jobs, {sum(len(j['specs']) for j in pj)} cases",
               flush=True)
+    return jobs, outputs
+
+
+def run_queue(a: argparse.Namespace, eng: engine.Engine, jobs: list[dict[str, Any]],
+              outputs: dict[str, Output], started: float) -> dict[str, list[dict[str, Any]]]:
+    """Run the queue; every record goes to its phase's raw file as it comes in."""
     by_phase: dict[str, list[dict[str, Any]]] = {p: [] for p in a.phases}
     phase_of = {j["name"]: j["phase"] for j in jobs}
 
@@ -307,7 +255,6 @@ def main() -> None:
             outputs[phase].add([r])
             outputs[phase].doc["phase_wall_s"] = round(time.time() - started, 1)
 
-    eng = engine.Engine(rel_paths, a.workers, deadline, cal["cycles_per_ms"], limit)
     try:
         leftovers = eng.run(jobs, on_records=route)
     finally:  # the engine raises when a planned case has no record: keep what came in
@@ -315,19 +262,45 @@ def main() -> None:
             output.write()
     routed = {id(r) for rs in by_phase.values() for r in rs}
     route([r for r in leftovers if id(r) not in routed])  # records of jobs never started
+    return by_phase
+
+
+def close_phase(phase: str, recs: list[dict[str, Any]], output: Output) -> None:
+    """The phase's raw file, complete, and its summary with one line per distinct crash."""
+    output.doc["te_state_at_end"] = engine.te_state()
+    output.write(complete=True)
+    print(f"== {phase}: {output.doc.get('phase_wall_s')}s: {summarize(recs)}", flush=True)
+    crashes = [r for r in recs if r.get("crashed") and not (r.get("spec") or {}).get("oracle")]
+    seen: set[str] = set()
+    for r in crashes:  # one line per distinct error
+        err = (r.get("error") or "")[:160]
+        if err not in seen and len(seen) < 8:
+            seen.add(err)
+            print(f"   crash e.g. {r.get('id')}: {err}")
+
+
+def main() -> None:
+    a = parse()
+    t0 = time.time()
+    if a.dry:
+        dry_run(a)
+        return
+    os.makedirs(a.out, exist_ok=True)
+    rel_paths = release_wheels.unpack_releases(a.wheels)
+    cal = calibration(a)
+    print(json.dumps({"calibration": cal["cycles_per_ms"], "gpu": cal.get("gpu"),
+                      "releases": sorted(rel_paths), "te": engine.te_state()}), flush=True)
+    deadline = t0 + a.budget_s
+
+    def limit() -> int:
+        return a.build_workers if engine.te_state() == "building" else a.workers
+
+    started = time.time()
+    jobs, outputs = queue(a, cal)
+    eng = engine.Engine(rel_paths, a.workers, deadline, cal["cycles_per_ms"], limit)
+    by_phase = run_queue(a, eng, jobs, outputs, started)
     for phase in a.phases:
-        recs = by_phase[phase]
-        outputs[phase].doc["te_state_at_end"] = engine.te_state()
-        outputs[phase].write(complete=True)
-        print(f"== {phase}: {outputs[phase].doc.get('phase_wall_s')}s: {summarize(recs)}",
-              flush=True)
-        crashes = [r for r in recs if r.get("crashed") and not (r.get("spec") or {}).get("oracle")]
-        seen: set[str] = set()
-        for r in crashes:  # one line per distinct error
-            err = (r.get("error") or "")[:160]
-            if err not in seen and len(seen) < 8:
-                seen.add(err)
-                print(f"   crash e.g. {r.get('id')}: {err}")
+        close_phase(phase, by_phase[phase], outputs[phase])
     print(f"== total wall {time.time() - t0:.1f}s", flush=True)
 
 

@@ -7,8 +7,8 @@ REF is a ref of a local clone (``pull-request/6316``, ``refs/pull/6316/head``, `
 is ``--git-dir`` or ``$MFSDP_TEST_MEGATRON_LM`` (a git dir). The zip holds the vendored
 ``megatron/core/distributed/fsdp/src/megatron_fsdp`` folder laid out as the standalone
 ``megatron_fsdp`` package, which is how the megatron-fsdp wheel is built from it, and no
-dist-info: a worker imports it as a source checkout on PYTHONPATH. ``run_matrix.RELEASES`` finds
-it by the name ``megatron_fsdp-NAME-COMMIT.zip``. ``--patch FILE`` applies a patch made against
+dist-info: a worker imports it as a source checkout on PYTHONPATH. ``release_wheels.RELEASES``
+finds it by the name ``megatron_fsdp-NAME-COMMIT.zip``. ``--patch FILE`` applies a patch made against
 Megatron-LM (``upstream/main.patch``) with ``git apply`` before zipping; it must apply cleanly.
 """
 

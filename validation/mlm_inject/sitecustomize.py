@@ -8,7 +8,7 @@ Acts only in the process whose script is ``pretrain_gpt.py`` and only when
   ``--fake-process-group``), and ``MFSDP_VAL_MLM_RS_DELAY_CYCLES``: a ``torch.cuda._sleep`` before
   every reduce-scatter (``fakepg_shims``, the same shims as the other phases);
 * APEX's ``fused_weight_gradient_mlp_cuda`` replaced by a stub whose kernels raise, when it is
-  not installed (``core_gpt.install_apex_stub``: with Megatron-FSDP the wgrad goes through TE);
+  not installed (``core_gpt_case.install_apex_stub``: with Megatron-FSDP the wgrad goes through TE);
 * ``megatron.core.datasets.utils.compile_helpers``: the wheel ships the compiled dataset helpers
   but no Makefile, so ``make`` would fail and Megatron would exit; the stand-in imports the shipped
   ``helpers_cpp`` instead (so a missing helper still fails);
@@ -48,7 +48,7 @@ def _stage(name):
 def _setup():
     validation = os.path.dirname(HERE)
     sys.path.append(validation)  # after the release: nothing there shadows Megatron
-    import core_gpt
+    import core_gpt_case
     import fakepg_shims
 
     if os.environ.get("MFSDP_VAL_MLM_FAKE_NCCL") == "1":
@@ -56,7 +56,7 @@ def _setup():
         fakepg_shims.install_rs_delay(int(os.environ.get("MFSDP_VAL_MLM_RS_DELAY_CYCLES", "0")))
     STATE["shims"] = fakepg_shims.STATS
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
-        core_gpt.install_apex_stub()
+        core_gpt_case.install_apex_stub()
         STATE["apex_stub"] = True
     import wrapt
 
