@@ -58,9 +58,11 @@ def env_info() -> dict[str, Any]:
 def run_call(a: argparse.Namespace) -> None:
     """One GPU call: the checkouts staged, the selected runs, the record and its summaries."""
     t0 = time.time()
+    import release_wheels
     import run_matrix
 
-    rel_dirs = {k: v for k, v in run_matrix.unpack_releases(a.wheels).items() if k in a.releases}
+    rel_dirs = {k: v for k, v in release_wheels.unpack_releases(a.wheels).items()
+                if k in a.releases}
     checkouts = dict(parse_checkouts(a.megatron_lm, a.releases))
     os.makedirs(os.path.join(workdir.run_dir(), "cases"))
     src, checks = stage_sources(checkouts, rel_dirs)
