@@ -20,6 +20,7 @@ from types import ModuleType
 
 from . import fingerprints, registry, structure, versions
 from .registry import Copy, Era, Fix, Shape
+from .structure import double_buffer
 
 FINGERPRINT, STRUCTURE = "fingerprint", "structure"
 
@@ -119,7 +120,7 @@ def detect_file(copy: Copy, buffer_file: Path, installed: bool = True) -> Detect
 def _with_pool_size(found: Detection, source: Callable[[], str]) -> Detection:
     """``found`` with the gradient pool's slot count read from the code that builds the pools."""
     try:
-        size = structure.gradient_pool_size(source())
+        size = double_buffer.gradient_pool_size(source())
     except (AttributeError, KeyError, fingerprints.SourceUnavailable):
         return found
     return replace(found, pool_size=size)
@@ -142,7 +143,7 @@ def match(qualname: str, source: str) -> tuple[Shape | None, str | None]:
         if shape.fingerprint == printed:
             return shape, FINGERPRINT
     for shape in registry.SHAPES[qualname]:
-        if shape.structure and getattr(structure, shape.structure)(source):
+        if shape.structure and structure.RECOGNISERS[shape.structure](source):
             return shape, STRUCTURE
     return None, None
 

@@ -10,6 +10,7 @@ import pytest
 import releases
 
 from mfsdp_hotfix import detection, registry, structure
+from mfsdp_hotfix.structure import double_buffer
 
 STANDALONE, VENDORED = registry.COPIES
 
@@ -206,7 +207,7 @@ def test_unparseable_file_is_refused(tmp_path: Path) -> None:
 def test_drains_before_fetching(body: str, drains: bool) -> None:
     source = "    def main_grad_getter(p):\n" + "".join(
         f"        {line}\n" for line in body.splitlines())
-    assert structure.drains_before_fetching(source) is drains
+    assert double_buffer.drains_before_fetching(source) is drains
 HOOKS_SHAPE = {**{("megatron-fsdp", v): "0.14" for v in ("0.1.0", "0.2.0", "0.2.1", "0.2.2",
                                                            "0.2.3")},
                **{("megatron-core", v): "0.14" for v in ("0.14.0", "0.15.0", "0.15.1", "0.15.2",
@@ -215,6 +216,14 @@ HOOKS_SHAPE = {**{("megatron-fsdp", v): "0.14" for v in ("0.1.0", "0.2.0", "0.2.
                ("megatron-fsdp", "0.4.0"): "0.17", ("megatron-core", "0.17.1"): "0.17",
                ("megatron-fsdp", "0.5.1"): "0.18", ("megatron-core", "0.18.2"): "0.18",
                ("megatron-fsdp", "0.6.1"): "0.19", ("megatron-core", "0.19.2"): "0.19"}
+
+
+def test_every_structural_shape_names_a_recogniser() -> None:
+    """The registry names each structural shape's test by name; each name is a recogniser, and
+    each recogniser is named by a shape."""
+    named = {shape.structure for shapes in registry.SHAPES.values() for shape in shapes
+             if shape.structure}
+    assert named == set(structure.RECOGNISERS)
 
 
 @pytest.mark.parametrize(("dist", "version"), sorted(HOOKS_SHAPE))

@@ -14,7 +14,8 @@ import releases
 import snapshots
 from conftest import run_python
 
-from mfsdp_hotfix import detection, fingerprints, registry, structure
+from mfsdp_hotfix import detection, fingerprints, registry
+from mfsdp_hotfix.structure import double_buffer
 
 VENDORED = registry.COPIES[1]
 
@@ -211,7 +212,7 @@ def test_a_drain_sized_by_the_config_is_recognised_whatever_the_attribute_path(
     snapshot = snapshots.SNAPSHOTS["pr6316"]
     root = _built("pr6316", tmp_path)
     source = _edit(root, registry.DRAIN, old, new, count=count, package=snapshot.package)
-    assert structure.configured_pool_size(source) == path
+    assert double_buffer.configured_pool_size(source) == path
     found = _detect(root, snapshot.copy)
     assert not found.refused and found.era is not None and found.era.name == "C"
     drain = found.shapes[registry.DRAIN]
@@ -231,8 +232,8 @@ def test_the_drain_on_the_callers_stream_is_the_change_proposed_upstream(
     root = _built("pr6316", tmp_path)
     source = _edit(root, registry.DRAIN, _ON_RS_STREAM, "self.wait_for_previous_grad_reduce",
                    package=snapshot.package)
-    assert structure.configured_pool_size(source) is None
-    assert (structure.configured_pool_size(source, on_rs_stream=False)
+    assert double_buffer.configured_pool_size(source) is None
+    assert (double_buffer.configured_pool_size(source, on_rs_stream=False)
             == "self.buffer.ddp_config.fsdp_buffer_count")
     found = _detect(root, snapshot.copy)
     drain = found.shapes[registry.DRAIN]
@@ -270,7 +271,7 @@ def test_another_drain_with_a_configured_pool_size_is_still_refused(
         _edit(root, registry.DRAIN, _ON_RS_STREAM, "self.wait_for_previous_grad_reduce",
               package=snapshot.package)
     source = _edit(root, registry.DRAIN, old, new, count=count, package=snapshot.package)
-    assert structure.configured_pool_size(source, on_rs_stream=not callers_stream) is None
+    assert double_buffer.configured_pool_size(source, on_rs_stream=not callers_stream) is None
     found = _detect(root, snapshot.copy)
     assert found.refused and found.shapes[registry.DRAIN] is None
     assert found.reason.startswith("unrecognised code shape in _enforce_double_buffer_limit")

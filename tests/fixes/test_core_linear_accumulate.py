@@ -32,11 +32,11 @@ from mfsdp_hotfix import (
     installer,
     registry,
     settings,
-    structure,
 )
 from mfsdp_hotfix.fixes import core_linear_accumulate
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
+from mfsdp_hotfix.structure import core_linear
 
 STANDALONE, VENDORED = registry.COPIES
 FIX = registry.CORE_LINEAR_ACCUMULATE
@@ -126,8 +126,8 @@ TWO_BRANCHES = RELEASE_BRANCH.replace(
     (NO_FUSION, False, False), (TWO_BRANCHES, False, False)],
     ids=["release", "upstream-change", "no-lazy-getter", "no-fusion-flag", "two-branches"])
 def test_fork_shapes(source: str, overwrites: bool, follows: bool) -> None:
-    assert structure.fsdp_wgrad_overwrites(source) is overwrites
-    assert structure.fsdp_wgrad_follows_overwrite_main_grad(source) is follows
+    assert core_linear.fsdp_wgrad_overwrites(source) is overwrites
+    assert core_linear.fsdp_wgrad_follows_overwrite_main_grad(source) is follows
 
 
 def test_a_copy_outside_megatron_core_does_not_need_it() -> None:

@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import releases
 
-from mfsdp_hotfix import registry, structure
+from mfsdp_hotfix import registry
 from mfsdp_hotfix.fixes import zero1_accumulate
+from mfsdp_hotfix.structure import overwrite_setter
 
 JOB = Path(__file__).with_name("accumulation_job.py")
 
@@ -146,8 +147,8 @@ SETS_THE_STRATEGY = UPSTREAM.replace(
          "per-parameter", "silent", "getattr-default", "also-setattr", "also-unpacked",
          "also-in-a-branch", "sets-the-strategy"])
 def test_fork_shapes(source: str, always: bool, decides: bool) -> None:
-    assert structure.always_overwrites_main_grad(source) is always
-    assert structure.decides_overwrite_main_grad(source) is decides
+    assert overwrite_setter.always_overwrites_main_grad(source) is always
+    assert overwrite_setter.decides_overwrite_main_grad(source) is decides
 
 
 def test_a_getattr_default_in_the_setter_is_never_not_needed(tmp_path: Path) -> None:
