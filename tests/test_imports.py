@@ -64,6 +64,23 @@ def test_no_import_cycle() -> None:
     find_cycle(graph)
 
 
+def test_the_registry_family_and_the_recognisers_import_nothing_above_them() -> None:
+    """What the hotfix knows (the registry and the tables declared on it) and the structural
+    recognisers sit at the bottom: detection and everything above it read them, never the other
+    way round."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+    graph = {module_name(p): imports(p, modules) for p in paths}
+    registry_family = {f"mfsdp_hotfix.{name}" for name in (
+        "registry", "verified_releases", "eras", "fix_catalogue", "release_defects",
+        "gradient_pools")}
+    recognisers = {name for name in modules if name.startswith("mfsdp_hotfix.structure")}
+    assert len(recognisers) > 1, "the graph must see the structure package"
+    for layer in (registry_family, recognisers):
+        for name in layer:
+            assert graph[name] <= layer, (name, graph[name] - layer)
+
+
 def script_graph() -> dict[str, set[str]]:
     """validation/ and benchmarks/ scripts by bare name -> the scripts each one imports."""
     paths = sorted([*(REPO / "validation").glob("*.py"), *(REPO / "benchmarks").glob("*.py")])

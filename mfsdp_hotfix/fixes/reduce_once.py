@@ -28,8 +28,9 @@ from types import ModuleType
 from typing import Any
 
 from .. import fingerprints
+from ..fix_catalogue import REDUCE_ONCE
 from ..patching import Undo, wrap_attribute
-from ..registry import REDUCE_ONCE, SYNCHRONOUS_REDUCTIONS, short_name
+from ..registry import SYNCHRONOUS_REDUCTIONS, short_name
 from ..structure.synchronous_reductions import reduces_every_buffer
 
 

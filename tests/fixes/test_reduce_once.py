@@ -13,7 +13,15 @@ import pytest
 import releases
 import torch
 
-from mfsdp_hotfix import cli, detection, fingerprints, registry, tree
+from mfsdp_hotfix import (
+    cli,
+    detection,
+    fingerprints,
+    fix_catalogue,
+    registry,
+    release_defects,
+    tree,
+)
 from mfsdp_hotfix.fixes import reduce_once
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseSpec
@@ -115,7 +123,7 @@ def test_every_release_reduces_in_the_hooks_whatever_the_overlap_and_again_where
     copy = registry.COPIES[0] if dist == "megatron-fsdp" else registry.COPIES[1]
     found = detection.find_installed(copy, [str(release)])
     assert found is not None
-    assert detection.detect_file(copy, found).needs(registry.REDUCE_ONCE) is needed
+    assert detection.detect_file(copy, found).needs(fix_catalogue.REDUCE_ONCE) is needed
 
 
 def test_nvidia_main_reduces_once() -> None:
@@ -125,7 +133,7 @@ def test_nvidia_main_reduces_once() -> None:
     assert hooks.hook_reduction(hooks_source(tree)) == hooks.REDUCES_ONCE
     found = detection.find_installed(registry.COPIES[0], [str(tree)])
     assert found is not None
-    assert not detection.detect_file(registry.COPIES[0], found).needs(registry.REDUCE_ONCE)
+    assert not detection.detect_file(registry.COPIES[0], found).needs(fix_catalogue.REDUCE_ONCE)
 
 
 @pytest.mark.parametrize(("condition", "expected"), [
@@ -159,8 +167,8 @@ def test_a_fork_with_the_upstream_condition_needs_no_fix(tmp_path: Path) -> None
                                   root / "megatron_fsdp" / "param_and_grad_buffer.py")
     shape = found.shapes[registry.HOOKS]
     assert shape is not None and shape.name.endswith("reduces unsharded gradients once")
-    assert not found.needs(registry.REDUCE_ONCE) and not found.needs(
-        registry.MISSED_POST_BACKWARD)
+    assert not found.needs(fix_catalogue.REDUCE_ONCE) and not found.needs(
+        fix_catalogue.MISSED_POST_BACKWARD)
 
 
 # NVIDIA/Megatron-LM#6357's condition of both hooks, in its words (comments aside).
@@ -230,7 +238,8 @@ def test_the_real_upstream_change_is_still_recognised() -> None:
     assert overwrite_setter.decides_overwrite_main_grad(setter)
     found = detection.detect_file(registry.COPIES[0],
                                   head / "megatron_fsdp" / "param_and_grad_buffer.py")
-    assert not found.needs(registry.REDUCE_ONCE) and not found.needs(registry.ZERO1_ACCUMULATE)
+    assert not found.needs(fix_catalogue.REDUCE_ONCE) and not found.needs(
+        fix_catalogue.ZERO1_ACCUMULATE)
 
 
 def test_a_collective_outside_the_guarded_loop_is_not_skipping(tmp_path: Path) -> None:
@@ -278,10 +287,10 @@ def test_unrecognised_hooks_limit_only_the_strategies_whose_synchronous_reductio
 
 
 def test_the_defect_is_the_fixs() -> None:
-    defect = registry.UNSHARDED_GRADS_REDUCED_TWICE
-    assert defect in registry.RELEASE_DEFECTS and defect.fix == registry.REDUCE_ONCE.id
-    assert registry.defects_of({defect.fix: "applied"}) == [defect]
-    assert registry.defects_of({defect.fix: "not needed"}) == []
+    defect = release_defects.UNSHARDED_GRADS_REDUCED_TWICE
+    assert defect in release_defects.RELEASE_DEFECTS and defect.fix == fix_catalogue.REDUCE_ONCE.id
+    assert release_defects.defects_of({defect.fix: "applied"}) == [defect]
+    assert release_defects.defects_of({defect.fix: "not needed"}) == []
 
 
 def case(strategy: str, hotfix: str, **fields: Any) -> CaseSpec:

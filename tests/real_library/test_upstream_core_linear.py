@@ -31,7 +31,7 @@ from conftest import run_python
 from realcases import extended, release_path
 from upstream_change import CORE_LINEAR_PATCH, CORE_LINEAR_TEST, DoesNotApply
 
-from mfsdp_hotfix import fingerprints, registry
+from mfsdp_hotfix import fingerprints, fix_catalogue, registry
 from mfsdp_hotfix.structure import core_linear
 
 LAYERS = "megatron/core/tensor_parallel/layers.py"
@@ -116,7 +116,7 @@ def _fix_state(root: Path) -> str:
     assert proc.returncode == 0, proc.stderr[-3000:]
     (copy,) = json.loads(proc.stdout)["copies"]
     assert copy["copy"] == "megatron-core (vendored)", copy
-    return str(copy["fixes"][registry.CORE_LINEAR_ACCUMULATE.id]["state"])
+    return str(copy["fixes"][fix_catalogue.CORE_LINEAR_ACCUMULATE.id]["state"])
 
 
 def test_status_needs_the_fix_on_main_and_not_once_patched(patched_main: Path) -> None:
