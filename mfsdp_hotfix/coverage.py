@@ -11,9 +11,10 @@ is studied. A configuration no fix makes right (HSDP with unsharded gradients an
 ``overlap_grad_reduce=False``: wrong as shipped and with reduce-once alike) is refused whatever
 the fix's state, except under ``MFSDP_HOTFIX=0``. Only copies with the defect are limited: the
 synchronous reductions' shapes say which strategies reduce twice. A release defect no fix
-repairs (:class:`~mfsdp_hotfix.registry.ReleaseDefect` with no ``fix``) leaves the configurations
-it hits uncovered wherever the copy's code has it, or may have it: building a model in one is
-refused while the hotfix is loaded. ``status()`` lists every entry per copy under ``limits``.
+repairs (:class:`~mfsdp_hotfix.release_defects.ReleaseDefect` with no ``fix``) leaves the
+configurations it hits uncovered wherever the copy's code has it, or may have it: building a
+model in one is refused while the hotfix is loaded. ``status()`` lists every entry per copy
+under ``limits``.
 """
 
 from __future__ import annotations

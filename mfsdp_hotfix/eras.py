@@ -1,5 +1,6 @@
-"""The eras the getter and drain shapes form: what each combination does wrong and what protects
-a job that does not load the hotfix (for status; the fixes follow the shapes themselves)."""
+"""The eras the known getter and drain shapes form, as status tells them: what each pair does
+wrong, what protects a job without the hotfix, and the change proposed upstream that leaves
+none."""
 
 from __future__ import annotations
 

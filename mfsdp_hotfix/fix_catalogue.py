@@ -33,9 +33,9 @@ class Fix:
     stream with at most pool-size units live (era "none": the change proposed upstream).
     ``gate``: a model-module function (:data:`~mfsdp_hotfix.registry.GATES`), or megatron-core's
     fused linear (:data:`~mfsdp_hotfix.registry.CORE_LINEAR_BACKWARD`), whose shape decides the
-    need (its :attr:`~mfsdp_hotfix.registry.Shape.needs`); an
-    unknown shape there leaves the fix unverified, not the copy refused; a gate whose code is not
-    in the copy's tree at all (megatron-core's linear beside megatron-fsdp): not needed.
+    need (its :attr:`~mfsdp_hotfix.registry.Shape.needs`); an unknown shape there leaves the fix
+    unverified, not the copy refused; a gate whose code is not in the copy's tree at all
+    (megatron-core's linear beside megatron-fsdp): not needed.
     ``reductions``: buffer-module functions of which at least one must reduce
     (:attr:`~mfsdp_hotfix.registry.Shape.reduces`) for the fix to be needed; an unknown shape
     there: unverified.
