@@ -11,9 +11,10 @@ is studied. A configuration no fix makes right (HSDP with unsharded gradients an
 ``overlap_grad_reduce=False``: wrong as shipped and with reduce-once alike) is refused whatever
 the fix's state, except under ``MFSDP_HOTFIX=0``. Only copies with the defect are limited: the
 synchronous reductions' shapes say which strategies reduce twice. A release defect no fix
-repairs (:class:`~mfsdp_hotfix.registry.ReleaseDefect` with no ``fix``) leaves the configurations
-it hits uncovered wherever the copy's code has it, or may have it: building a model in one is
-refused while the hotfix is loaded. ``status()`` lists every entry per copy under ``limits``.
+repairs (:class:`~mfsdp_hotfix.release_defects.ReleaseDefect` with no ``fix``) leaves the
+configurations it hits uncovered wherever the copy's code has it, or may have it: building a
+model in one is refused while the hotfix is loaded. ``status()`` lists every entry per copy
+under ``limits``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import registry
+from . import fix_catalogue, registry, release_defects
 from .detection import Detection
 
 _SHARDED_GRADS = ("optim_grads", "optim_grads_params")
@@ -49,7 +50,8 @@ class Limit:
     workaround: str
     reduction: str | None = None
     repaired: bool = True
-    defect: registry.ReleaseDefect | None = None  # fix None: the defect, decided by its carrier
+    # fix None: the defect, decided by its carrier
+    defect: release_defects.ReleaseDefect | None = None
 
 
 def _fused_core_linears(model: Any) -> bool:
@@ -125,7 +127,7 @@ _HSDP_FAILURE = (
     "NVIDIA/Megatron-LM#6357, leaves out (never reduced over DP-Outer)")
 
 LIMITS = (
-    Limit(registry.GETTER_GUARD.id,
+    Limit(fix_catalogue.GETTER_GUARD.id,
           "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True and fused "
           "wgrad accumulation",
           lambda model: (model.ddp_config.fsdp_double_buffer
@@ -133,13 +135,13 @@ LIMITS = (
           "{defect}",
           "set fsdp_double_buffer=False, or upgrade to megatron-core >= 0.19.0 / "
           "megatron-fsdp >= 0.6.0"),
-    Limit(registry.ORDERED_DRAIN.id,
+    Limit(fix_catalogue.ORDERED_DRAIN.id,
           "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True",
           lambda model: (model.ddp_config.fsdp_double_buffer
                          and model.ddp_config.data_parallel_sharding_strategy in _SHARDED_GRADS),
           "{defect}",
           "set fsdp_double_buffer=False"),
-    Limit(registry.MISSED_POST_BACKWARD.id,
+    Limit(fix_catalogue.MISSED_POST_BACKWARD.id,
           "ZeRO-3 (optim_grads_params) with fsdp_double_buffer=True",
           lambda model: (model.ddp_config.fsdp_double_buffer
                          and model.ddp_config.data_parallel_sharding_strategy
@@ -149,42 +151,42 @@ LIMITS = (
           "data)",
           "set fsdp_double_buffer=False, or upgrade to megatron-core >= 0.16.0 / "
           "megatron-fsdp >= 0.3.0"),
-    Limit(registry.ZERO1_ACCUMULATE.id,
+    Limit(fix_catalogue.ZERO1_ACCUMULATE.id,
           "ZeRO-1 (optim)",
           lambda model: model.ddp_config.data_parallel_sharding_strategy == "optim",
-          registry.ZERO1_FUSED_WGRAD_OVERWRITE.symptom
+          release_defects.ZERO1_FUSED_WGRAD_OVERWRITE.symptom
           + ", with fused wgrad accumulation and 2 or more microbatches per step",
-          " or ".join(registry.ZERO1_FUSED_WGRAD_OVERWRITE.workarounds)),
+          " or ".join(release_defects.ZERO1_FUSED_WGRAD_OVERWRITE.workarounds)),
     # Without overlap, finish_grad_sync reduces unsharded gradients over the DP-Shard group
     # only; the DP-Outer all-reduce is in the hooks' reduction alone, which reduces a second
     # time as shipped and not at all with reduce-once (or NVIDIA/Megatron-LM#6357).
-    *(Limit(registry.REDUCE_ONCE.id,
+    *(Limit(fix_catalogue.REDUCE_ONCE.id,
             f"HSDP with {label} and overlap_grad_reduce=False",
             _hsdp_without_overlap(strategy),
             _HSDP_FAILURE, _OVERLAP,
             reduction=registry.SYNCHRONOUS_REDUCTIONS[strategy], repaired=False)
       for strategy, label in _UNSHARDED.items()),
-    *(Limit(registry.REDUCE_ONCE.id, f"{label} with overlap_grad_reduce=False",
+    *(Limit(fix_catalogue.REDUCE_ONCE.id, f"{label} with overlap_grad_reduce=False",
             _without_overlap(strategy),
-            registry.UNSHARDED_GRADS_REDUCED_TWICE.symptom,
-            " or ".join(registry.UNSHARDED_GRADS_REDUCED_TWICE.workarounds),
+            release_defects.UNSHARDED_GRADS_REDUCED_TWICE.symptom,
+            " or ".join(release_defects.UNSHARDED_GRADS_REDUCED_TWICE.workarounds),
             reduction=registry.SYNCHRONOUS_REDUCTIONS[strategy])
       for strategy, label in _UNSHARDED.items()),
-    Limit(registry.SINGLE_RANK_REDUCE.id,
+    Limit(fix_catalogue.SINGLE_RANK_REDUCE.id,
           "ZeRO-2/3 (optim_grads, optim_grads_params) with a gradient buffer whose "
           "data-parallel group has one rank (data-parallel size 1; experts with expert-parallel "
           "size equal to the data-parallel size)",
           lambda model: _sharded(model) and has_one_rank_gradient_group(model),
-          registry.SINGLE_RANK_GRADS.symptom,
-          " or ".join(registry.SINGLE_RANK_GRADS.workarounds)),
+          release_defects.SINGLE_RANK_GRADS.symptom,
+          " or ".join(release_defects.SINGLE_RANK_GRADS.workarounds)),
     Limit(None,
           "ZeRO-2/3 (optim_grads, optim_grads_params) over 2 or more data-parallel ranks with "
           "the gradients scaled before a SUM reduction (gradient_reduce_div_fusion=False or a "
           "bf16 gradient buffer, without calculate_per_token_loss or average_in_collective)",
           lambda model: _sharded(model) and _scales_before_summing_a_shard(model),
-          registry.SHARDED_GRADS_SUMMED_UNSCALED.symptom,
-          " or ".join(registry.SHARDED_GRADS_SUMMED_UNSCALED.workarounds),
-          defect=registry.SHARDED_GRADS_SUMMED_UNSCALED),
+          release_defects.SHARDED_GRADS_SUMMED_UNSCALED.symptom,
+          " or ".join(release_defects.SHARDED_GRADS_SUMMED_UNSCALED.workarounds),
+          defect=release_defects.SHARDED_GRADS_SUMMED_UNSCALED),
     Limit(None,
           "ZeRO-1 (optim) with overlap_grad_reduce=True, or HSDP with ZeRO-2/3 and a one-rank "
           "DP-Shard gradient group",
@@ -192,19 +194,19 @@ LIMITS = (
                           and model.ddp_config.overlap_grad_reduce)
                          or (_sharded(model) and model.dist_index.use_hybrid_fsdp
                              and has_one_rank_gradient_group(model))),
-          registry.UNSHARDED_SHARD_ADDED_TO_ITSELF.symptom,
-          " or ".join(registry.UNSHARDED_SHARD_ADDED_TO_ITSELF.workarounds),
-          defect=registry.UNSHARDED_SHARD_ADDED_TO_ITSELF),
-    Limit(registry.CORE_LINEAR_ACCUMULATE.id,
+          release_defects.UNSHARDED_SHARD_ADDED_TO_ITSELF.symptom,
+          " or ".join(release_defects.UNSHARDED_SHARD_ADDED_TO_ITSELF.workarounds),
+          defect=release_defects.UNSHARDED_SHARD_ADDED_TO_ITSELF),
+    Limit(fix_catalogue.CORE_LINEAR_ACCUMULATE.id,
           "ZeRO-1 (optim), or ZeRO-2/3 with a one-rank gradient group, with megatron-core's "
           "own linear layers (ColumnParallelLinear, RowParallelLinear) and "
           "gradient_accumulation_fusion",
           lambda model: ((model.ddp_config.data_parallel_sharding_strategy == "optim"
                           or (_sharded(model) and has_one_rank_gradient_group(model)))
                          and _fused_core_linears(model)),
-          registry.CORE_LINEAR_FUSED_WGRAD_OVERWRITE.symptom
+          release_defects.CORE_LINEAR_FUSED_WGRAD_OVERWRITE.symptom
           + ", with 2 or more microbatches per step",
-          " or ".join(registry.CORE_LINEAR_FUSED_WGRAD_OVERWRITE.workarounds)),
+          " or ".join(release_defects.CORE_LINEAR_FUSED_WGRAD_OVERWRITE.workarounds)),
 )
 
 # Fix states that leave a configuration failing, and whether building a model in it is refused.
@@ -268,7 +270,7 @@ def _state(limit: Limit, found: Detection, fixes: dict[str, tuple[str, str]]
         return state, f"the fix {limit.fix} is {state} ({reason})"
     defect = limit.defect
     assert defect.carrier is not None
-    has = registry.carried(defect, found.shapes)
+    has = release_defects.carried(defect, found.shapes)
     if has is False:
         return "not needed", ""
     where = registry.short_name(defect.carrier)

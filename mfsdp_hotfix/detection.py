@@ -18,8 +18,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 
-from . import fingerprints, registry, structure, versions
-from .registry import Copy, Era, Fix, Shape
+from . import eras, fingerprints, fix_catalogue, registry, structure, verified_releases, versions
+from .eras import Era
+from .fix_catalogue import Fix
+from .registry import Copy, Shape
+from .structure import double_buffer
 
 FINGERPRINT, STRUCTURE = "fingerprint", "structure"
 
@@ -51,7 +54,7 @@ class Detection:
     def needs(self, fix: Fix) -> bool:
         """Whether this (not refused) copy's shapes need ``fix``."""
         known = {name: shape for name, shape in self.shapes.items() if shape is not None}
-        return registry.needed(fix, known)
+        return fix_catalogue.needed(fix, known)
 
     @property
     def pool_size_text(self) -> str | None:
@@ -119,7 +122,7 @@ def detect_file(copy: Copy, buffer_file: Path, installed: bool = True) -> Detect
 def _with_pool_size(found: Detection, source: Callable[[], str]) -> Detection:
     """``found`` with the gradient pool's slot count read from the code that builds the pools."""
     try:
-        size = structure.gradient_pool_size(source())
+        size = double_buffer.gradient_pool_size(source())
     except (AttributeError, KeyError, fingerprints.SourceUnavailable):
         return found
     return replace(found, pool_size=size)
@@ -142,7 +145,7 @@ def match(qualname: str, source: str) -> tuple[Shape | None, str | None]:
         if shape.fingerprint == printed:
             return shape, FINGERPRINT
     for shape in registry.SHAPES[qualname]:
-        if shape.structure and getattr(structure, shape.structure)(source):
+        if shape.structure and structure.RECOGNISERS[shape.structure](source):
             return shape, STRUCTURE
     return None, None
 
@@ -165,7 +168,7 @@ def _classify(copy: Copy, path: str, sources: dict[str, str | None], problems: l
     if problems:
         return verdict(None, "cannot read the code to verify its shape: " + "; ".join(problems)
                        + ". Install Megatron-FSDP with its .py sources")
-    relied_on = {name for fix in registry.FIXES for name in fix.depends_on}
+    relied_on = {name for fix in fix_catalogue.FIXES for name in fix.depends_on}
     unknown = [name for name in registry.FUNCTIONS if shapes.get(name) is None
                and name in relied_on]
     if unknown:
@@ -177,9 +180,9 @@ def _classify(copy: Copy, path: str, sources: dict[str, str | None], problems: l
                        "status --json` to the mfsdp-hotfix maintainers, or upgrade mfsdp-hotfix")
     known = {name: shape for name, shape in shapes.items()
              if shape is not None and name in registry.FUNCTIONS}
-    era = registry.era_of(known[registry.GETTER], known[registry.DRAIN])
+    era = eras.era_of(known[registry.GETTER], known[registry.DRAIN])
     release = versions.final_release(version)
-    shipped = registry.RELEASES.get((copy.distribution, release or ""))
+    shipped = verified_releases.RELEASES.get((copy.distribution, release or ""))
     if shipped is None:
         return verdict(era, f"era {era.name} by code shape", _label_note(copy, version))
     if shipped == {name: shape.name for name, shape in known.items()}:
@@ -217,7 +220,8 @@ def _describe(qualname: str, shape: Shape | None, how: str | None) -> dict[str, 
     if shape is None:
         return {"shape": None, "matched_by": None, "as_shipped_in": None, "implies": None}
     return {"shape": shape.name, "matched_by": how,
-            "as_shipped_in": registry.shipped_in(qualname, shape) if shape.fingerprint else None,
+            "as_shipped_in": (verified_releases.shipped_in(qualname, shape) if shape.fingerprint
+                              else None),
             "implies": shape.implies()}
 
 

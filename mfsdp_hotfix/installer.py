@@ -23,51 +23,64 @@ from typing import Any
 
 import wrapt
 
-from . import coverage, crossrank, detection, incidents, registry, variables
+from . import (
+    coverage,
+    crossrank,
+    detection,
+    eras,
+    fix_catalogue,
+    incidents,
+    registry,
+    release_defects,
+    variables,
+)
 from . import settings as settings_module
 from .__about__ import __version__
 from .detection import Detection
 from .errors import HotfixRefused
+from .fix_catalogue import Fix
 from .patching import Undo, wrap_attribute
-from .registry import Copy, Fix
+from .registry import Copy
 
 log = logging.getLogger("mfsdp_hotfix")
 
 
 # Which fix module patches which of a copy's modules (a ``Copy`` property).
-_FIX_TARGET = {registry.GETTER_GUARD.id: ("getter_guard", "model_module"),
-               registry.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module"),
-               registry.MISSED_POST_BACKWARD.id: ("missed_post_backward", "model_module"),
-               registry.ZERO1_ACCUMULATE.id: ("zero1_accumulate", "model_module"),
-               registry.REDUCE_ONCE.id: ("reduce_once", "buffer_module"),
-               registry.SINGLE_RANK_REDUCE.id: ("single_rank_reduce", "model_module"),
-               registry.CORE_LINEAR_ACCUMULATE.id: ("core_linear_accumulate",
-                                                    "core_linear_module")}
-_NOT_NEEDED = {registry.GETTER_GUARD.id: "its main_grad_getter already drains before it "
-                                         "allocates, as NVIDIA/Megatron-LM#5222 and "
-                                         "ROCm/Megatron-LM#146 do",
-               registry.ORDERED_DRAIN.id: "its getter drains before it allocates and its "
-                                          "drain waits on the caller's stream (the one that "
-                                          "writes the recycled slot), keeping at most "
-                                          "pool-size units live: "
-                                          + registry.ORDERED_DRAIN_UPSTREAM,
-               registry.MISSED_POST_BACKWARD.id: "its post-forward releases the parameters of a "
-                                                 "unit whose post-backward hook did not run",
-               registry.ZERO1_ACCUMULATE.id: "it sets overwrite_main_grad only where gradients "
-                                             "are sharded (NVIDIA/Megatron-LM#6357), or not at "
-                                             "all",
-               registry.REDUCE_ONCE.id: "its backward hooks reduce unsharded gradients only "
-                                        "with overlap_grad_reduce (NVIDIA/Megatron-LM#6357), "
-                                        "or its finish_grad_sync reduces none of them without "
-                                        "overlap (the hooks' reduction is their only one)",
-               registry.SINGLE_RANK_REDUCE.id: "its backward hooks reduce a gradient buffer "
-                                               "whose data-parallel group has one rank once per "
-                                               "step, not every microbatch "
-                                               "(NVIDIA/Megatron-LM#6773)",
-               registry.CORE_LINEAR_ACCUMULATE.id: "no megatron-core fused linear is in this "
-                                                   "copy's tree (megatron-core's own copy "
-                                                   "carries the fix), or its Megatron-FSDP wgrad "
-                                                   "reads overwrite_main_grad"}
+_FIX_TARGET = {fix_catalogue.GETTER_GUARD.id: ("getter_guard", "model_module"),
+               fix_catalogue.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module"),
+               fix_catalogue.MISSED_POST_BACKWARD.id: ("missed_post_backward", "model_module"),
+               fix_catalogue.ZERO1_ACCUMULATE.id: ("zero1_accumulate", "model_module"),
+               fix_catalogue.REDUCE_ONCE.id: ("reduce_once", "buffer_module"),
+               fix_catalogue.SINGLE_RANK_REDUCE.id: ("single_rank_reduce", "model_module"),
+               fix_catalogue.CORE_LINEAR_ACCUMULATE.id: ("core_linear_accumulate",
+                                                         "core_linear_module")}
+_NOT_NEEDED = {fix_catalogue.GETTER_GUARD.id: "its main_grad_getter already drains before it "
+                                              "allocates, as NVIDIA/Megatron-LM#5222 and "
+                                              "ROCm/Megatron-LM#146 do",
+               fix_catalogue.ORDERED_DRAIN.id: "its getter drains before it allocates and its "
+                                               "drain waits on the caller's stream (the one that "
+                                               "writes the recycled slot), keeping at most "
+                                               "pool-size units live: "
+                                               + eras.ORDERED_DRAIN_UPSTREAM,
+               fix_catalogue.MISSED_POST_BACKWARD.id: "its post-forward releases the parameters "
+                                                      "of a unit whose post-backward hook did "
+                                                      "not run",
+               fix_catalogue.ZERO1_ACCUMULATE.id: "it sets overwrite_main_grad only where "
+                                                  "gradients are sharded "
+                                                  "(NVIDIA/Megatron-LM#6357), or not at all",
+               fix_catalogue.REDUCE_ONCE.id: "its backward hooks reduce unsharded gradients only "
+                                             "with overlap_grad_reduce (NVIDIA/Megatron-LM#6357), "
+                                             "or its finish_grad_sync reduces none of them without "
+                                             "overlap (the hooks' reduction is their only one)",
+               fix_catalogue.SINGLE_RANK_REDUCE.id: "its backward hooks reduce a gradient buffer "
+                                                    "whose data-parallel group has one rank once "
+                                                    "per step, not every microbatch "
+                                                    "(NVIDIA/Megatron-LM#6773)",
+               fix_catalogue.CORE_LINEAR_ACCUMULATE.id: "no megatron-core fused linear is in "
+                                                        "this copy's tree (megatron-core's own "
+                                                        "copy carries the fix), or its "
+                                                        "Megatron-FSDP wgrad reads "
+                                                        "overwrite_main_grad"}
 REFUSED = "refused"
 # The incident (:mod:`incidents`) of an import hook that raised: the copy may be left unpatched.
 INSTALL_FAILURE = "install"
@@ -126,7 +139,7 @@ def install(strict: bool | None = None) -> bool:
     """
     with _lock:
         if _state.settings is None:
-            _state.settings = settings_module.read(known_fixes=registry.FIX_IDS)
+            _state.settings = settings_module.read(known_fixes=fix_catalogue.FIX_IDS)
             for problem in _state.settings.problems:
                 if not variables.told(problem):  # the bootstrap wrote it at start already
                     log.warning("mfsdp_hotfix: %s", problem)
@@ -252,7 +265,7 @@ def _record_for(copy: Copy) -> CopyRecord | None:
     record = CopyRecord(detection.detect_module(copy, buffer_module))
     _state.records[copy.package] = record
     assert _state.settings is not None
-    for fix in registry.FIXES:
+    for fix in fix_catalogue.FIXES:
         record.fixes[fix.id] = fix_state(fix, record.detection, _state.settings)
     if record.detection.refused:
         _refuse(record.detection, record.fixes)
@@ -298,7 +311,7 @@ def _fix_state_if_on(fix: Fix, found: Detection, settings: settings_module.Setti
 
 def _apply_fixes(record: CopyRecord, copy: Copy, module_role: str) -> None:
     module = sys.modules[getattr(copy, module_role)]
-    for fix in registry.FIXES:
+    for fix in fix_catalogue.FIXES:
         fix_module, role = _FIX_TARGET[fix.id]
         if role != module_role or record.fixes[fix.id][0] != WOULD_APPLY:
             continue
@@ -357,7 +370,7 @@ def _repair_existing(record: CopyRecord, model_module: ModuleType) -> None:
 
 
 def _repair(record: CopyRecord, instance: Any) -> int:
-    if record.fixes.get(registry.GETTER_GUARD.id, ("", ""))[0] != "applied":
+    if record.fixes.get(fix_catalogue.GETTER_GUARD.id, ("", ""))[0] != "applied":
         return 0
     from .fixes import getter_guard
 
@@ -388,7 +401,7 @@ def _refuse(found: Detection, fixes: dict[str, tuple[str, str]] | None = None) -
     defect that is left, and the fixes that rest on none of what was refused and still apply."""
     states = {fix_id: state for fix_id, (state, _) in (fixes or {}).items()}
     kept = [fix_id for fix_id, state in states.items() if state == WOULD_APPLY]
-    left = [defect for defect in registry.defects_of(states, found.shapes)
+    left = [defect for defect in release_defects.defects_of(states, found.shapes)
             if defect.fix is None or states[defect.fix] != WOULD_APPLY]
     message = (f"mfsdp_hotfix: NOT patching {found.copy.label} "
                f"({found.copy.distribution} {found.version or 'version unknown'}) at "
@@ -415,7 +428,7 @@ def summary() -> str:
                         "REFUSED" + (f" (still applied: {applied})" if record.applied else "")))
     unpatched = imported_unpatched()
     if unpatched:
-        settings = _state.settings or settings_module.read(known_fixes=registry.FIX_IDS)
+        settings = _state.settings or settings_module.read(known_fixes=fix_catalogue.FIX_IDS)
         why = (f"{settings_module.SWITCH}=0" if not settings.enabled else
                "the hotfix is not installed in this process")
         for found in unpatched:

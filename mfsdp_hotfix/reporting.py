@@ -20,11 +20,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import coverage, detection, incidents, installer, registry, trigger, v2
+from . import (
+    coverage,
+    detection,
+    fix_catalogue,
+    incidents,
+    installer,
+    registry,
+    trigger,
+    v2,
+)
 from . import settings as settings_module
 from .__about__ import __version__
 from .installer import CopyRecord
 from .registry import Copy, Shape
+from .release_defects import defects_of
 
 HOTFIX_STATES = {
     "off": f"{settings_module.SWITCH}=0 switches every fix off",
@@ -61,15 +71,15 @@ UNPROTECTING = {"off": f"{settings_module.SWITCH}=0",
                               "sitecustomize bootstrap; `mfsdp-hotfix run` or `import "
                               "mfsdp_hotfix` does)",
                 "uninstalled": "mfsdp_hotfix.uninstall() restored the originals"}
-# Every fix that repairs no release defect (:data:`registry.RELEASE_DEFECTS`) repairs a defect
-# of the double buffer, which fsdp_double_buffer=False avoids (README, "Who needs it").
+# Every fix that repairs no release defect (:data:`.release_defects.RELEASE_DEFECTS`) repairs
+# a defect of the double buffer, which fsdp_double_buffer=False avoids (README, "Who needs it").
 DOUBLE_BUFFER_OFF = "fsdp_double_buffer=False"
 
 
 def status() -> dict[str, Any]:
     """What was detected and applied, and why, as plain data (also ``mfsdp-hotfix status``)."""
     settings, installed, records = installer.view()
-    settings = settings or settings_module.read(known_fixes=registry.FIX_IDS)
+    settings = settings or settings_module.read(known_fixes=fix_catalogue.FIX_IDS)
     copies = [_record_dict(record) for record in records]
     unpatched = installer.imported_unpatched()
     copies += [judged_offline(found, settings, imported=True) for found in unpatched]
@@ -113,13 +123,13 @@ def _record_dict(record: CopyRecord) -> dict[str, Any]:
 
 def release_defects(fixes: dict[str, tuple[str, str]],
                     shapes: Mapping[str, Shape | None] | None = None) -> list[dict[str, Any]]:
-    """The release defects (:data:`registry.RELEASE_DEFECTS`) this copy's code has, each with
-    what its fix's state means for the user: ``repaired`` (applied, or would apply) or not. A
-    defect no fix repairs (``fix`` None) is never repaired; its ``carrier`` names the function
+    """The release defects (:data:`.release_defects.RELEASE_DEFECTS`) this copy's code has, each
+    with what its fix's state means for the user: ``repaired`` (applied, or would apply) or not.
+    A defect no fix repairs (``fix`` None) is never repaired; its ``carrier`` names the function
     whose shape (from ``shapes``) says the copy has it, or may have it (``shape`` None)."""
     states = {fix_id: state for fix_id, (state, _) in fixes.items()}
     found = []
-    for defect in registry.defects_of(states, shapes):
+    for defect in defects_of(states, shapes):
         fix_state = states[defect.fix] if defect.fix is not None else None
         carrier = None
         if defect.carrier is not None:
@@ -149,7 +159,7 @@ def judged_offline(found: detection.Detection, settings: settings_module.Setting
     imported while the hotfix was off): what would apply, and why."""
     fixes: dict[str, dict[str, str]] = {}
     states: dict[str, tuple[str, str]] = {}
-    for fix in registry.FIXES:
+    for fix in fix_catalogue.FIXES:
         state, reason = states[fix.id] = installer.fix_state(fix, found, settings)
         fixes[fix.id] = {"state": state,
                          "reason": fix.summary if state == installer.WOULD_APPLY else reason}

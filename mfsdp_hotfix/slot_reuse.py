@@ -3,10 +3,10 @@
 Why: the defect the hotfix repairs is an ordering defect. A gradient pool slot is handed to the
 next bucket while the reduce-scatter (RS) that last read it may still be running, and the stream
 that will write into it never waited for that RS. The rule, checked for every slot of every
-gradient pool (``registry.GRAD_POOLS``) of every pool allocator class the copy has
-(``registry.POOL_ALLOCATORS``: ``FixedPoolAllocator``, ``MaxPoolAllocator``): when the pool hands
-out a slot again, the stream current at that moment (the writer) must already be ordered after the
-last RS that used the slot, identified by the event queued with that bucket in
+gradient pool (``gradient_pools.GRAD_POOLS``) of every pool allocator class the copy has
+(``gradient_pools.POOL_ALLOCATORS``: ``FixedPoolAllocator``, ``MaxPoolAllocator``): when the pool
+hands out a slot again, the stream current at that moment (the writer) must already be ordered
+after the last RS that used the slot, identified by the event queued with that bucket in
 ``GradReducePipeline.grad_reduce_queue``. Otherwise the reuse is *unordered*. It is a rule, not a
 timing, so a race that did not fire is still found.
 
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any, Generic, Protocol, TypeVar
 
-from . import registry
+from . import gradient_pools
 from .patching import Undo, Wrapper, wrap_attributes
 
 M = TypeVar("M")
@@ -107,7 +107,7 @@ class SlotReuse(Generic[M]):
         """A model's pipeline was built: list its gradient pools, and those the rule cannot
         watch (a pool class it does not know)."""
         buffer = pipeline.buffer
-        for attribute in registry.GRAD_POOL_ATTRIBUTES:
+        for attribute in gradient_pools.GRAD_POOL_ATTRIBUTES:
             pool = getattr(buffer, attribute, None)
             if pool is None:
                 continue
@@ -183,7 +183,7 @@ _OBSERVERS = {"audit": "the on-the-job audit (MFSDP_HOTFIX_AUDIT)",
 
 
 def is_grad_pool(pool: Any) -> bool:
-    return str(getattr(pool, "name", "")) in registry.GRAD_POOLS
+    return str(getattr(pool, "name", "")) in gradient_pools.GRAD_POOLS
 
 
 def pool_label(pool: Any, slot: Any = None) -> str:
@@ -210,11 +210,11 @@ def slot_of(pool: Any, bucket_id: int) -> Any:
     return None
 
 
-def watchable(buffer_module: ModuleType) -> tuple[list[registry.PoolAllocator], list[str]]:
+def watchable(buffer_module: ModuleType) -> tuple[list[gradient_pools.PoolAllocator], list[str]]:
     """The pool allocators of ``buffer_module`` the rule can watch, and what is missing for the
     others and for the pipeline (``Class.method`` names)."""
     found, missing = [], []
-    for spec in registry.POOL_ALLOCATORS:
+    for spec in gradient_pools.POOL_ALLOCATORS:
         cls = getattr(buffer_module, spec.cls, None)
         if cls is None:
             continue
@@ -235,7 +235,7 @@ def observe(buffer_module: ModuleType, rule: SlotReuse[Any], marker: str,
             on_error: Callable[[str, Exception], None]) -> Undo:
     """Wrap one copy's pool allocator classes and pipeline so that ``rule`` sees every slot move.
 
-    Every class of ``registry.POOL_ALLOCATORS`` present with its two methods is wrapped (none
+    Every class of ``gradient_pools.POOL_ALLOCATORS`` present with its two methods is wrapped (none
     present: ``LookupError``). The original always runs, once, and its result or exception
     passes through unchanged. A failure of the bookkeeping goes to ``on_error(where, exc)``
     (which may raise); an ``AssertionError`` of ``allocate`` itself (era A's 'No buffer found')
@@ -254,7 +254,7 @@ def observe(buffer_module: ModuleType, rule: SlotReuse[Any], marker: str,
     return wrap_attributes(targets, marker)
 
 
-def _watched_allocators(buffer_module: ModuleType) -> list[registry.PoolAllocator]:
+def _watched_allocators(buffer_module: ModuleType) -> list[gradient_pools.PoolAllocator]:
     """The pool allocators :func:`observe` wraps; ``LookupError`` where there is none, or the
     pipeline lacks a method the rule follows (without it no slot move could be judged)."""
     allocators, missing = watchable(buffer_module)

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import detection, registry, reporting, v2, versions
+from . import detection, fix_catalogue, registry, reporting, v2, versions
 from . import settings as settings_module
 from .__about__ import __version__
 from .registry import Copy
@@ -56,7 +56,7 @@ def readable_folder(folder: str) -> Path:
 def judge(folder: str) -> dict[str, Any]:
     """``status``'s data for the copies under ``folder``; raises :class:`TreeError`."""
     root = readable_folder(folder)
-    settings = settings_module.read(known_fixes=registry.FIX_IDS)
+    settings = settings_module.read(known_fixes=fix_catalogue.FIX_IDS)
     copies: list[dict[str, Any]] = []
     v2_copies: list[dict[str, Any]] = []
     for package_dir, files in _walk(root):

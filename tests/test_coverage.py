@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from mfsdp_hotfix import UnsupportedConfiguration, coverage, registry
+from mfsdp_hotfix import UnsupportedConfiguration, coverage, eras, registry
 from mfsdp_hotfix.detection import Detection
 from mfsdp_hotfix.registry import ALL_REDUCE, REDUCE_SCATTER, SHAPES
 
-FOUND = Detection(registry.COPIES[0], "/site/megatron_fsdp", "0.2.3", {}, {}, {}, registry.ERAS[0],
+FOUND = Detection(registry.COPIES[0], "/site/megatron_fsdp", "0.2.3", {}, {}, {}, eras.ERAS[0],
                   "era A")
 ZERO3_DB = SimpleNamespace(fsdp_double_buffer=True,
                            data_parallel_sharding_strategy="optim_grads_params")
@@ -200,7 +200,7 @@ def found_with(reduce_scatter: registry.Shape | None, all_reduce: registry.Shape
     """FOUND with these synchronous reductions' shapes (None: not recognised)."""
     return Detection(registry.COPIES[0], "/site/megatron_fsdp", "0.3.1",
                      {REDUCE_SCATTER: reduce_scatter, ALL_REDUCE: all_reduce}, {}, {},
-                     registry.ERAS[0], "era A")
+                     eras.ERAS[0], "era A")
 
 
 def unsharded(strategy: str, overlap: bool = False) -> SimpleNamespace:

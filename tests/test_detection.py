@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 import releases
 
-from mfsdp_hotfix import detection, registry, structure
+from mfsdp_hotfix import (
+    detection,
+    eras,
+    fix_catalogue,
+    registry,
+    release_defects,
+    structure,
+    verified_releases,
+)
+from mfsdp_hotfix.structure import double_buffer
 
 STANDALONE, VENDORED = registry.COPIES
 
@@ -90,8 +99,8 @@ def test_backport_with_known_shapes_is_fixed_by_its_shapes(modified_copy: Path) 
           "            if len(double_buf_units) > 2:")
     found = _detect(STANDALONE, modified_copy)
     assert found.era is not None and found.era.name == "A" and not found.verified_release
-    assert [fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix)] == ["getter-guard",
-                                                                      "ordered-drain"]
+    assert [fix.id for fix in fix_catalogue.DOUBLE_BUFFER_FIXES
+            if found.needs(fix)] == ["getter-guard", "ordered-drain"]
     assert "megatron-fsdp 0.5.1 with code that release did not ship" in found.reason
     assert found.notes == ("megatron-fsdp 0.5.1 shipped _enforce_double_buffer_limit as in 0.18, "
                            "this copy's as in 0.19: the code is not what that release shipped, "
@@ -165,14 +174,14 @@ def test_unknown_final_release_is_judged_by_code_alone(modified_copy: Path) -> N
 def test_every_pair_of_known_getter_and_drain_shapes_has_an_era() -> None:
     for getter in registry.SHAPES[registry.GETTER]:
         for drain in registry.SHAPES[registry.DRAIN]:
-            era = registry.era_of(getter, drain)
+            era = eras.era_of(getter, drain)
             expected = ("B" if drain.live_units == 1 else "A" if not getter.guarded else
                         "C" if drain.drain_stream == "rs_stream" else "none")
             assert era.name == expected, (getter, drain)
 
 
 def test_releases_table_lists_every_release_the_tests_download() -> None:
-    listed = {(d, v) for d, v in registry.RELEASES}
+    listed = {(d, v) for d, v in verified_releases.RELEASES}
     downloaded = ({("megatron-fsdp", v) for v in releases.MEGATRON_FSDP}
                   | {("megatron-core", v) for v in releases.MEGATRON_CORE
                      if not v.startswith("0.13")})
@@ -206,7 +215,7 @@ def test_unparseable_file_is_refused(tmp_path: Path) -> None:
 def test_drains_before_fetching(body: str, drains: bool) -> None:
     source = "    def main_grad_getter(p):\n" + "".join(
         f"        {line}\n" for line in body.splitlines())
-    assert structure.drains_before_fetching(source) is drains
+    assert double_buffer.drains_before_fetching(source) is drains
 HOOKS_SHAPE = {**{("megatron-fsdp", v): "0.14" for v in ("0.1.0", "0.2.0", "0.2.1", "0.2.2",
                                                            "0.2.3")},
                **{("megatron-core", v): "0.14" for v in ("0.14.0", "0.15.0", "0.15.1", "0.15.2",
@@ -215,6 +224,14 @@ HOOKS_SHAPE = {**{("megatron-fsdp", v): "0.14" for v in ("0.1.0", "0.2.0", "0.2.
                ("megatron-fsdp", "0.4.0"): "0.17", ("megatron-core", "0.17.1"): "0.17",
                ("megatron-fsdp", "0.5.1"): "0.18", ("megatron-core", "0.18.2"): "0.18",
                ("megatron-fsdp", "0.6.1"): "0.19", ("megatron-core", "0.19.2"): "0.19"}
+
+
+def test_every_structural_shape_names_a_recogniser() -> None:
+    """The registry names each structural shape's test by name; each name is a recogniser, and
+    each recogniser is named by a shape."""
+    named = {shape.structure for shapes in registry.SHAPES.values() for shape in shapes
+             if shape.structure}
+    assert named == set(structure.RECOGNISERS)
 
 
 @pytest.mark.parametrize(("dist", "version"), sorted(HOOKS_SHAPE))
@@ -248,8 +265,8 @@ def test_a_fork_of_the_lazy_release_design_needs_no_missed_post_backward(tmp_pat
     shape = found.shapes[registry.HOOKS]
     assert shape is not None and shape.name == ("releases stale units lazily, reduces unsharded "
                                                 "gradients in the hooks always")
-    assert not found.needs(registry.MISSED_POST_BACKWARD)
-    assert found.needs(registry.REDUCE_ONCE)
+    assert not found.needs(fix_catalogue.MISSED_POST_BACKWARD)
+    assert found.needs(fix_catalogue.REDUCE_ONCE)
 
 
 def _in_range(version: str, span: str) -> bool:
@@ -271,12 +288,13 @@ def test_every_release_defect_no_fix_repairs_is_found_where_it_shipped(dist: str
     found = _detect(copy, releases.unpacked(dist, version))
     for qualname in registry.DEFECT_CARRIERS:
         assert found.matched_by[qualname] == "fingerprint", (qualname, found.fingerprints)
-    unrepaired = [d for d in registry.RELEASE_DEFECTS if d.fix is None]
+    unrepaired = [d for d in release_defects.RELEASE_DEFECTS if d.fix is None]
     assert unrepaired, "the registry names a release defect no fix repairs"
     for defect in unrepaired:
         expected = _in_range(version, defect.releases[dist])
-        assert registry.carried(defect, found.shapes) is expected, (defect.name, found.shapes)
-        assert (defect in registry.defects_of({}, found.shapes)) is expected
+        assert release_defects.carried(defect, found.shapes) is expected, (defect.name,
+                                                                             found.shapes)
+        assert (defect in release_defects.defects_of({}, found.shapes)) is expected
 
 
 def test_a_defect_carrier_is_named_after_its_defects() -> None:
@@ -284,9 +302,9 @@ def test_a_defect_carrier_is_named_after_its_defects() -> None:
     for qualname in registry.DEFECT_CARRIERS:
         for shape in registry.SHAPES[qualname]:
             for name in shape.carries:
-                (defect,) = [d for d in registry.RELEASE_DEFECTS if d.name == name]
+                (defect,) = [d for d in release_defects.RELEASE_DEFECTS if d.name == name]
                 assert defect.fix is None and defect.carrier == qualname
-    for defect in registry.RELEASE_DEFECTS:
+    for defect in release_defects.RELEASE_DEFECTS:
         assert (defect.fix is None) == (defect.carrier is not None), defect.name
 
 
@@ -297,7 +315,7 @@ def test_nvidia_main_scales_the_bucket_it_reduces() -> None:
     found = _detect(STANDALONE, tree)
     shape = found.shapes[registry.BUCKET_REDUCE]
     assert shape is not None and not shape.carries
-    assert registry.defects_of({}, found.shapes) == []
+    assert release_defects.defects_of({}, found.shapes) == []
 
 
 def test_an_unknown_bucket_reduction_does_not_rule_the_defect_out(tmp_path: Path) -> None:
@@ -309,5 +327,7 @@ def test_an_unknown_bucket_reduction_does_not_rule_the_defect_out(tmp_path: Path
           "        reduce_scatter_stream.wait_stream(current_stream)\n        _ = 'a fork'\n")
     found = _detect(STANDALONE, root)
     assert not found.refused and found.shapes[registry.BUCKET_REDUCE] is None
-    assert registry.carried(registry.SHARDED_GRADS_SUMMED_UNSCALED, found.shapes) is None
-    assert registry.SHARDED_GRADS_SUMMED_UNSCALED in registry.defects_of({}, found.shapes)
+    assert release_defects.carried(release_defects.SHARDED_GRADS_SUMMED_UNSCALED,
+                                   found.shapes) is None
+    assert release_defects.SHARDED_GRADS_SUMMED_UNSCALED in release_defects.defects_of(
+        {}, found.shapes)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from mfsdp_hotfix import registry, settings
+from mfsdp_hotfix import fix_catalogue, settings
 
 
 def read(**env: str) -> settings.Settings:
-    return settings.read(env, known_fixes=registry.FIX_IDS)
+    return settings.read(env, known_fixes=fix_catalogue.FIX_IDS)
 
 
 @pytest.mark.parametrize("value, mode", [("", "on"), ("1", "on"), ("on", "on"), ("ON ", "on"),
@@ -26,8 +26,8 @@ def test_unset_is_on() -> None:
 def test_disabled_fixes() -> None:
     listed = ("getter-guard, ordered-drain, missed-post-backward, zero1-accumulate, reduce-once, "
               "single-rank-reduce, core-linear-accumulate")
-    assert read(MFSDP_HOTFIX_DISABLED_FIXES=listed).disabled_fixes == registry.FIX_IDS
-    assert read(MFSDP_HOTFIX_DISABLED_FIXES="*").disabled_fixes == registry.FIX_IDS
+    assert read(MFSDP_HOTFIX_DISABLED_FIXES=listed).disabled_fixes == fix_catalogue.FIX_IDS
+    assert read(MFSDP_HOTFIX_DISABLED_FIXES="*").disabled_fixes == fix_catalogue.FIX_IDS
 
 
 @pytest.mark.parametrize("name, value, field, default", [

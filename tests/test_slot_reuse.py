@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from miniature import backward, miniature
 
-from mfsdp_hotfix import registry, slot_reuse
+from mfsdp_hotfix import gradient_pools, slot_reuse
 from mfsdp_hotfix.patching import fix_of
 from mfsdp_hotfix.selftest import cuda_standin as cs
 from mfsdp_hotfix.selftest.ordering import StandinClocks
@@ -95,7 +95,7 @@ def test_every_known_pool_allocator_is_watched(allocator: str, drain_on_rs_strea
     assert rule.reuses == 3 and rule.unordered_count == (3 if drain_on_rs_stream else 0)
     assert rule.pools == {f"fsdp_grads ({allocator})": 3} and rule.unwatched == []
     assert {fix_of(vars(getattr(watched[0], spec.cls)).get(name))
-            for spec in registry.POOL_ALLOCATORS for name in (spec.allocate, spec.free)} == {
+            for spec in gradient_pools.POOL_ALLOCATORS for name in (spec.allocate, spec.free)} == {
         "test-rule"}
 
 

@@ -14,7 +14,8 @@ import releases
 import snapshots
 from conftest import run_python
 
-from mfsdp_hotfix import detection, fingerprints, registry, structure
+from mfsdp_hotfix import detection, fingerprints, fix_catalogue, registry
+from mfsdp_hotfix.structure import double_buffer
 
 VENDORED = registry.COPIES[1]
 
@@ -44,7 +45,7 @@ def test_each_snapshot_gets_the_era_of_its_code(name: str, tmp_path: Path) -> No
     found = _detect(_built(name, tmp_path), snapshot.copy)
     assert not found.refused, found.reason
     assert found.era is not None and found.era.name == snapshot.era
-    needed = tuple(fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix))
+    needed = tuple(fix.id for fix in fix_catalogue.DOUBLE_BUFFER_FIXES if found.needs(fix))
     assert needed == snapshot.fixes
     assert found.version == snapshot.label and not found.verified_release
     assert found.reason == f"era {snapshot.era} by code shape"
@@ -211,12 +212,13 @@ def test_a_drain_sized_by_the_config_is_recognised_whatever_the_attribute_path(
     snapshot = snapshots.SNAPSHOTS["pr6316"]
     root = _built("pr6316", tmp_path)
     source = _edit(root, registry.DRAIN, old, new, count=count, package=snapshot.package)
-    assert structure.configured_pool_size(source) == path
+    assert double_buffer.configured_pool_size(source) == path
     found = _detect(root, snapshot.copy)
     assert not found.refused and found.era is not None and found.era.name == "C"
     drain = found.shapes[registry.DRAIN]
     assert drain is not None and drain.live_units == registry.POOL_SIZE
-    assert [fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix)] == ["ordered-drain"]
+    assert [fix.id for fix in fix_catalogue.DOUBLE_BUFFER_FIXES
+            if found.needs(fix)] == ["ordered-drain"]
 
 
 _ON_RS_STREAM = ("with torch.cuda.stream(self.rs_stream):\n            "
@@ -231,15 +233,15 @@ def test_the_drain_on_the_callers_stream_is_the_change_proposed_upstream(
     root = _built("pr6316", tmp_path)
     source = _edit(root, registry.DRAIN, _ON_RS_STREAM, "self.wait_for_previous_grad_reduce",
                    package=snapshot.package)
-    assert structure.configured_pool_size(source) is None
-    assert (structure.configured_pool_size(source, on_rs_stream=False)
+    assert double_buffer.configured_pool_size(source) is None
+    assert (double_buffer.configured_pool_size(source, on_rs_stream=False)
             == "self.buffer.ddp_config.fsdp_buffer_count")
     found = _detect(root, snapshot.copy)
     drain = found.shapes[registry.DRAIN]
     assert found.era is not None and found.era.name == "none"
     assert drain is not None and (drain.drain_stream, drain.live_units) == (
         "caller", registry.POOL_SIZE)
-    assert not [fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix)]
+    assert not [fix.id for fix in fix_catalogue.DOUBLE_BUFFER_FIXES if found.needs(fix)]
 
 
 @pytest.mark.parametrize("callers_stream", [False, True], ids=["rs-stream", "callers-stream"])
@@ -270,7 +272,7 @@ def test_another_drain_with_a_configured_pool_size_is_still_refused(
         _edit(root, registry.DRAIN, _ON_RS_STREAM, "self.wait_for_previous_grad_reduce",
               package=snapshot.package)
     source = _edit(root, registry.DRAIN, old, new, count=count, package=snapshot.package)
-    assert structure.configured_pool_size(source, on_rs_stream=not callers_stream) is None
+    assert double_buffer.configured_pool_size(source, on_rs_stream=not callers_stream) is None
     found = _detect(root, snapshot.copy)
     assert found.refused and found.shapes[registry.DRAIN] is None
     assert found.reason.startswith("unrecognised code shape in _enforce_double_buffer_limit")
@@ -287,7 +289,8 @@ def test_n_slot_pull_requests_get_ordered_drain_with_their_pool_size(ref: str) -
     found = _detect(root, registry.COPIES[0])
     assert tuple(found.fingerprints[f] for f in registry.FUNCTIONS) == fingerprints_
     assert not found.refused and found.era is not None and found.era.name == "C"
-    assert [fix.id for fix in registry.DOUBLE_BUFFER_FIXES if found.needs(fix)] == ["ordered-drain"]
+    assert [fix.id for fix in fix_catalogue.DOUBLE_BUFFER_FIXES
+            if found.needs(fix)] == ["ordered-drain"]
     assert found.pool_size == pool_size
 
 

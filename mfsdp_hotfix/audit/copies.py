@@ -2,7 +2,7 @@
 
 Every copy is audited, whatever the hotfix's verdict on it (patched, refused, unknown shape, or
 the hotfix switched off): the audit judges the ordering, not the code's provenance. Its gradient
-pools, built by any pool allocator class of ``registry.POOL_ALLOCATORS`` the copy has, get the
+pools, built by any pool allocator class of ``gradient_pools.POOL_ALLOCATORS`` the copy has, get the
 slot-reuse rule (``slot_reuse.observe``) and ``MegatronFSDP.finish_grad_sync`` a wrapper after
 which the rank file may be rewritten. A copy whose classes are not the shape the rule needs is
 listed with a note and ``audited: false`` instead, which the summary reads as UNWATCHED; so is
@@ -10,7 +10,7 @@ a Megatron-FSDP v2 model (:mod:`mfsdp_hotfix.v2`), which has no pool to watch.
 
 A job whose gradient buffers have a data-parallel group of one rank reuses no slot, so the rule
 has nothing to check there; what matters for it is the size-one group defect
-(``registry.SINGLE_RANK_GRADS``). So each model's ``forward`` and ``zero_grad_buffer`` are
+(``release_defects.SINGLE_RANK_GRADS``). So each model's ``forward`` and ``zero_grad_buffer`` are
 watched too: at its first forward the model's one-rank ZeRO-2/3 gradient buffers are counted
 (:class:`OneRankGrads`), and its forwards with gradients between two ``zero_grad_buffer`` calls
 are the microbatches it accumulates, on which the defect depends.
@@ -25,7 +25,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .. import coverage, detection, registry, slot_reuse, v2, versions
+from .. import (
+    coverage,
+    detection,
+    fix_catalogue,
+    gradient_pools,
+    registry,
+    release_defects,
+    slot_reuse,
+    v2,
+    versions,
+)
 from ..happens_before import Mark
 from ..patching import Undo, wrap_attribute, wrap_attributes
 from ..registry import Copy
@@ -33,7 +43,8 @@ from .observer import MARKER, Observer
 
 SlotReuseRule = slot_reuse.SlotReuse[Mark]
 # The configuration (ZeRO-2/3) in which a one-rank gradient buffer has the size-one group defect.
-_SIZE_ONE = next(limit for limit in coverage.LIMITS if limit.fix == registry.SINGLE_RANK_REDUCE.id)
+_SIZE_ONE = next(limit for limit in coverage.LIMITS
+                 if limit.fix == fix_catalogue.SINGLE_RANK_REDUCE.id)
 
 
 @dataclass
@@ -130,7 +141,7 @@ def watch_buffer_module(copy: Copy, module: ModuleType, observer: Observer,
         audit.note = f"refused by the hotfix: {found.reason}"
     allocators, missing = slot_reuse.watchable(module)
     if not allocators or any(name.startswith("GradReducePipeline.") for name in missing):
-        known = ", ".join(spec.cls for spec in registry.POOL_ALLOCATORS)
+        known = ", ".join(spec.cls for spec in gradient_pools.POOL_ALLOCATORS)
         audit.note = ("not audited: " + (f"{', '.join(missing)} not found" if missing else
                                          f"no pool allocator class the audit knows ({known})")
                       + " (a code shape the audit does not know)")
@@ -147,15 +158,15 @@ def watch_buffer_module(copy: Copy, module: ModuleType, observer: Observer,
 def single_rank_defect(copy: Copy, found: detection.Detection) -> tuple[str, bool]:
     """Whether the copy's code has the size-one group defect ("yes", "no", "unknown"), and
     whether its one-rank reduction may add the buffer onto itself (unless its code has a known
-    shape and its release label is ``registry.SINGLE_RANK_NO_SELF_ADD_FROM`` or later)."""
+    shape and its release label is ``release_defects.SINGLE_RANK_NO_SELF_ADD_FROM`` or later)."""
     if found.shapes.get(registry.HOOKS) is None:
         return "unknown", True
-    if not found.needs(registry.SINGLE_RANK_REDUCE):
+    if not found.needs(fix_catalogue.SINGLE_RANK_REDUCE):
         return "no", True
     from packaging.version import Version
 
     release = versions.final_release(found.version)
-    first = registry.SINGLE_RANK_NO_SELF_ADD_FROM.get(copy.distribution)
+    first = release_defects.SINGLE_RANK_NO_SELF_ADD_FROM.get(copy.distribution)
     return "yes", release is None or first is None or Version(release) < Version(first)
 
 

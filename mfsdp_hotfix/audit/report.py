@@ -7,7 +7,7 @@ Rank file ``<path>.rank<N>.json``: ``{"rank", "world_size", "final", "finish_gra
 reuses after a reduce-scatter whose event the audit never saw recorded (it was armed late, or the
 code records events in a way it does not observe); they are not judged. ``one_rank_grads``: the
 copy's ZeRO-2/3 gradient buffers whose data-parallel group has one rank (null: none), which the
-size-one group defect (``registry.SINGLE_RANK_GRADS``) makes wrong unless repaired.
+size-one group defect (``release_defects.SINGLE_RANK_GRADS``) makes wrong unless repaired.
 
 The file is written after every ``finish_grad_sync`` (so a job killed mid-run still leaves its
 last step's counts) and at exit (a crash is recorded then): one small file per rank, written to
@@ -30,7 +30,8 @@ import re
 from datetime import timedelta
 from typing import Any
 
-from ..registry import SINGLE_RANK_GRADS, SINGLE_RANK_REDUCE
+from ..fix_catalogue import SINGLE_RANK_REDUCE
+from ..release_defects import SINGLE_RANK_GRADS
 
 log = logging.getLogger("mfsdp_hotfix")
 

@@ -39,8 +39,9 @@ from typing import Any
 
 from .. import incidents
 from ..errors import UnsupportedConfiguration
+from ..fix_catalogue import CORE_LINEAR_ACCUMULATE
 from ..patching import Undo, wrap_static_method
-from ..registry import CORE_LINEAR_ACCUMULATE, CORE_LINEAR_FUSED_WGRAD_OVERWRITE
+from ..release_defects import CORE_LINEAR_FUSED_WGRAD_OVERWRITE
 
 FUNCTION = "LinearWithGradAccumulationAndAsyncCommunication"
 # forward(ctx, input, weight, ...): autograd keeps one edge per tensor input, so the weight's

@@ -22,8 +22,8 @@ from types import ModuleType
 from typing import Any
 
 from .. import incidents
+from ..fix_catalogue import GETTER_GUARD
 from ..patching import Undo, wrap_attribute
-from ..registry import GETTER_GUARD
 
 _PIPELINE = "_mfsdp_hotfix_pipeline"
 _ORIGINAL = "_mfsdp_hotfix_unguarded_getter"

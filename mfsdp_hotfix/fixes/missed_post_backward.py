@@ -23,8 +23,8 @@ from types import ModuleType
 from typing import Any
 
 from .. import incidents
+from ..fix_catalogue import MISSED_POST_BACKWARD
 from ..patching import Undo, wrap_attribute
-from ..registry import MISSED_POST_BACKWARD
 
 
 def finish_missed_post_backwards(model: Any) -> int:

@@ -17,8 +17,9 @@ from types import ModuleType
 from typing import Any
 
 from .. import incidents
+from ..fix_catalogue import ORDERED_DRAIN
 from ..patching import Undo, wrap_attribute
-from ..registry import ORDERED_DRAIN, RELEASE_POOL_SIZE
+from ..registry import RELEASE_POOL_SIZE
 
 
 def entries_to_keep(pipeline: Any, add_buckets: list[int]) -> int | None:

@@ -27,16 +27,19 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .. import fingerprints, structure
+from .. import fingerprints
+from ..fix_catalogue import REDUCE_ONCE
 from ..patching import Undo, wrap_attribute
-from ..registry import REDUCE_ONCE, SYNCHRONOUS_REDUCTIONS, short_name
+from ..registry import SYNCHRONOUS_REDUCTIONS, short_name
+from ..structure.synchronous_reductions import reduces_every_buffer
 
 
 def reducing_strategies(buffer_class: type) -> frozenset[str]:
     """The unsharded strategies whose synchronous reduction in ``buffer_class`` reduces every
-    gradient buffer (:func:`~mfsdp_hotfix.structure.reduces_every_buffer`)."""
+    gradient buffer
+    (:func:`~mfsdp_hotfix.structure.synchronous_reductions.reduces_every_buffer`)."""
     return frozenset(strategy for strategy, qualname in SYNCHRONOUS_REDUCTIONS.items()
-                     if structure.reduces_every_buffer(fingerprints.source_of(
+                     if reduces_every_buffer(fingerprints.source_of(
                          getattr(buffer_class, short_name(qualname)))))
 
 

@@ -41,8 +41,9 @@ from typing import Any
 
 from .. import incidents
 from ..errors import UnsupportedConfiguration
+from ..fix_catalogue import SINGLE_RANK_REDUCE
 from ..patching import Undo, wrap_attributes
-from ..registry import SINGLE_RANK_GRADS, SINGLE_RANK_REDUCE
+from ..release_defects import SINGLE_RANK_GRADS
 
 SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
 STOPPED = ("the step is stopped, because going on would train on wrong gradients of every "

@@ -29,8 +29,9 @@ from typing import Any
 
 from .. import incidents
 from ..errors import UnsupportedConfiguration
+from ..fix_catalogue import ZERO1_ACCUMULATE
 from ..patching import Undo, wrap_attribute
-from ..registry import ZERO1_ACCUMULATE, ZERO1_FUSED_WGRAD_OVERWRITE
+from ..release_defects import ZERO1_FUSED_WGRAD_OVERWRITE
 
 SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
 STOPPED = ("the step is stopped, because going on would let fused wgrad overwrite the ZeRO-1 "

@@ -1,6 +1,6 @@
 """What the audit records of a copy's one-rank gradient buffers (the size-one group defect,
-``registry.SINGLE_RANK_GRADS``): the buffers per model, dense and expert apart, the microbatches
-a model accumulates, and whether the copy's code has the defect."""
+``release_defects.SINGLE_RANK_GRADS``): the buffers per model, dense and expert apart, the
+microbatches a model accumulates, and whether the copy's code has the defect."""
 
 from __future__ import annotations
 

@@ -201,7 +201,7 @@ def test_docs_audit_md_lists_every_verdict_and_links_the_exit_statuses() -> None
     assert '[CLI.md, "Exit statuses"](CLI.md#exit-statuses)' in " ".join(text.split())
 
 
-# ---- the size-one group defect (registry.SINGLE_RANK_GRADS) at one data-parallel rank
+# ---- the size-one group defect (release_defects.SINGLE_RANK_GRADS) at one data-parallel rank
 ONE_POOL = {"fsdp_grads (FixedPoolAllocator)": 0}  # one rank: its pool hands out no slot
 
 
@@ -301,10 +301,10 @@ def test_an_unordered_reuse_stays_the_worst_and_the_defect_is_still_told() -> No
 
 
 def test_the_verdict_names_the_registrys_defect_and_fix() -> None:
-    from mfsdp_hotfix import registry
+    from mfsdp_hotfix import fix_catalogue, release_defects
 
     meaning, todo, status = report.VERDICTS["WRONG GRADIENTS"]
-    assert registry.SINGLE_RANK_GRADS.name in meaning and status == report.FOUND
-    assert registry.SINGLE_RANK_REDUCE.id in todo
+    assert release_defects.SINGLE_RANK_GRADS.name in meaning and status == report.FOUND
+    assert fix_catalogue.SINGLE_RANK_REDUCE.id in todo
     order = list(report.VERDICTS)
     assert order.index("CRASH") < order.index("WRONG GRADIENTS") < order.index("UNWATCHED")

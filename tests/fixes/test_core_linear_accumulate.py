@@ -28,18 +28,21 @@ from mfsdp_hotfix import (
     UnsupportedConfiguration,
     coverage,
     detection,
+    eras,
+    fix_catalogue,
     incidents,
     installer,
     registry,
+    release_defects,
     settings,
-    structure,
 )
 from mfsdp_hotfix.fixes import core_linear_accumulate
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
+from mfsdp_hotfix.structure import core_linear
 
 STANDALONE, VENDORED = registry.COPIES
-FIX = registry.CORE_LINEAR_ACCUMULATE
+FIX = fix_catalogue.CORE_LINEAR_ACCUMULATE
 # megatron-core release -> the shape of its fused linear backward (fingerprints in registry.py).
 SHIPPED = {**{v: "0.14" for v in ("0.14.0", "0.15.0", "0.15.1", "0.15.2", "0.15.3", "0.16.0",
                                   "0.16.1", "0.17.0", "0.17.1")},
@@ -56,7 +59,7 @@ def _vendored(root: Path) -> detection.Detection:
 
 
 def _state(found: detection.Detection) -> str:
-    return installer.fix_state(FIX, found, settings.read(known_fixes=registry.FIX_IDS))[0]
+    return installer.fix_state(FIX, found, settings.read(known_fixes=fix_catalogue.FIX_IDS))[0]
 
 
 def test_every_megatron_core_release_is_downloaded_and_has_its_shape() -> None:
@@ -70,7 +73,8 @@ def test_every_release_needs_the_fix(version: str) -> None:
     assert shape is not None and shape.name == SHIPPED[version]
     assert found.matched_by[registry.CORE_LINEAR_BACKWARD] == detection.FINGERPRINT
     assert found.needs(FIX) and _state(found) == installer.WOULD_APPLY
-    assert registry.CORE_LINEAR_FUSED_WGRAD_OVERWRITE in registry.defects_of({FIX.id: "applied"})
+    assert release_defects.CORE_LINEAR_FUSED_WGRAD_OVERWRITE in release_defects.defects_of(
+        {FIX.id: "applied"})
 
 
 def test_nvidia_main_has_its_own_shape_and_needs_the_fix() -> None:
@@ -126,8 +130,8 @@ TWO_BRANCHES = RELEASE_BRANCH.replace(
     (NO_FUSION, False, False), (TWO_BRANCHES, False, False)],
     ids=["release", "upstream-change", "no-lazy-getter", "no-fusion-flag", "two-branches"])
 def test_fork_shapes(source: str, overwrites: bool, follows: bool) -> None:
-    assert structure.fsdp_wgrad_overwrites(source) is overwrites
-    assert structure.fsdp_wgrad_follows_overwrite_main_grad(source) is follows
+    assert core_linear.fsdp_wgrad_overwrites(source) is overwrites
+    assert core_linear.fsdp_wgrad_follows_overwrite_main_grad(source) is follows
 
 
 def test_a_copy_outside_megatron_core_does_not_need_it() -> None:
@@ -281,7 +285,7 @@ def test_an_unavailable_fix_refuses_zero1_only_with_fused_core_linears(
     layers.RowParallelLinear = RowParallelLinear  # type: ignore[attr-defined]
     monkeypatch.setitem(__import__("sys").modules, registry.CORE_LINEAR_MODULE, layers)
     found = detection.Detection(VENDORED, "/site/megatron/core/distributed/fsdp/src/"
-                                "megatron_fsdp", "0.19.2", {}, {}, {}, registry.ERAS[2], "era C")
+                                "megatron_fsdp", "0.19.2", {}, {}, {}, eras.ERAS[2], "era C")
     zero1 = SimpleNamespace(data_parallel_sharding_strategy="optim")
     fixes = {FIX.id: ("unverified", "why")}
     with pytest.raises(UnsupportedConfiguration) as caught:

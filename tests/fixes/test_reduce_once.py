@@ -13,10 +13,19 @@ import pytest
 import releases
 import torch
 
-from mfsdp_hotfix import cli, detection, fingerprints, registry, structure, tree
+from mfsdp_hotfix import (
+    cli,
+    detection,
+    fingerprints,
+    fix_catalogue,
+    registry,
+    release_defects,
+    tree,
+)
 from mfsdp_hotfix.fixes import reduce_once
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseSpec
+from mfsdp_hotfix.structure import hooks, overwrite_setter, synchronous_reductions
 
 RELEASE_CONDITION = "if grad_reduce_every_bprop or is_last_microbatch or self.model_auto_sync:"
 
@@ -110,30 +119,30 @@ def test_every_release_reduces_in_the_hooks_whatever_the_overlap_and_again_where
     synchronous reduction of finish_grad_sync reduces too (before megatron-fsdp 0.3.0 /
     megatron-core 0.16 neither does, and the hooks' reduction is the only one)."""
     release = releases.unpacked(dist, version)
-    assert structure.hook_reduction(hooks_source(release)) == structure.REDUCES_ALWAYS
+    assert hooks.hook_reduction(hooks_source(release)) == hooks.REDUCES_ALWAYS
     copy = registry.COPIES[0] if dist == "megatron-fsdp" else registry.COPIES[1]
     found = detection.find_installed(copy, [str(release)])
     assert found is not None
-    assert detection.detect_file(copy, found).needs(registry.REDUCE_ONCE) is needed
+    assert detection.detect_file(copy, found).needs(fix_catalogue.REDUCE_ONCE) is needed
 
 
 def test_nvidia_main_reduces_once() -> None:
     tree = releases.git_tree("main")
     if tree is None:
         pytest.skip("NVIDIA main needs a Megatron-LM clone: set MFSDP_TEST_MEGATRON_LM")
-    assert structure.hook_reduction(hooks_source(tree)) == structure.REDUCES_ONCE
+    assert hooks.hook_reduction(hooks_source(tree)) == hooks.REDUCES_ONCE
     found = detection.find_installed(registry.COPIES[0], [str(tree)])
     assert found is not None
-    assert not detection.detect_file(registry.COPIES[0], found).needs(registry.REDUCE_ONCE)
+    assert not detection.detect_file(registry.COPIES[0], found).needs(fix_catalogue.REDUCE_ONCE)
 
 
 @pytest.mark.parametrize(("condition", "expected"), [
     ("if grad_reduce_every_bprop or (\n                self.ddp_config.overlap_grad_reduce\n"
      "                and (is_last_microbatch or self.model_auto_sync)\n            ):",
-     structure.REDUCES_ONCE),
+     hooks.REDUCES_ONCE),
     ("if self.data_parallel_sharding_strategy in ('optim_grads', 'optim_grads_params') or "
      "(self.ddp_config.overlap_grad_reduce and not (not is_last_microbatch and not "
-     "self.model_auto_sync)):", structure.REDUCES_ONCE),
+     "self.model_auto_sync)):", hooks.REDUCES_ONCE),
     ("if grad_reduce_every_bprop or not self.ddp_config.overlap_grad_reduce or "
      "is_last_microbatch or self.model_auto_sync:", None),
     ("if grad_reduce_every_bprop or self.ddp_config.overlap_grad_reduce:", None),
@@ -144,7 +153,7 @@ def test_a_fork_is_judged_by_what_its_condition_yields(condition: str,
                                                         expected: str | None) -> None:
     source = hooks_source(releases.unpacked("megatron-fsdp", "0.6.1"))
     assert source.count(RELEASE_CONDITION) == 2
-    assert structure.hook_reduction(source.replace(RELEASE_CONDITION, condition)) == expected
+    assert hooks.hook_reduction(source.replace(RELEASE_CONDITION, condition)) == expected
 
 
 def test_a_fork_with_the_upstream_condition_needs_no_fix(tmp_path: Path) -> None:
@@ -158,8 +167,8 @@ def test_a_fork_with_the_upstream_condition_needs_no_fix(tmp_path: Path) -> None
                                   root / "megatron_fsdp" / "param_and_grad_buffer.py")
     shape = found.shapes[registry.HOOKS]
     assert shape is not None and shape.name.endswith("reduces unsharded gradients once")
-    assert not found.needs(registry.REDUCE_ONCE) and not found.needs(
-        registry.MISSED_POST_BACKWARD)
+    assert not found.needs(fix_catalogue.REDUCE_ONCE) and not found.needs(
+        fix_catalogue.MISSED_POST_BACKWARD)
 
 
 # NVIDIA/Megatron-LM#6357's condition of both hooks, in its words (comments aside).
@@ -209,7 +218,7 @@ def test_a_reduction_outside_the_upstream_condition_is_never_not_needed(
     text = model.read_text()
     assert old in text
     model.write_text(text.replace(old, new, 1))
-    assert structure.hook_reduction(hooks_source(tmp_path / "site")) is None
+    assert hooks.hook_reduction(hooks_source(tmp_path / "site")) is None
     (copy,) = tree.judge(str(tmp_path / "site"))["copies"]
     assert copy["fixes"]["reduce-once"]["state"] == "unverified"
     assert cli.main(["status", "--verbose", "--path", str(tmp_path / "site")]) in (0, 1)
@@ -223,13 +232,14 @@ def test_the_real_upstream_change_is_still_recognised() -> None:
     if head is None:
         pytest.skip("NVIDIA/Megatron-LM#6357 needs a Megatron-LM clone: set "
                     "MFSDP_TEST_MEGATRON_LM")
-    assert structure.hook_reduction(hooks_source(head)) == structure.REDUCES_ONCE
+    assert hooks.hook_reduction(hooks_source(head)) == hooks.REDUCES_ONCE
     setter = fingerprints.parse_file(head / "megatron_fsdp" / "megatron_fsdp.py").source(
         registry.OVERWRITE_SETTER)
-    assert structure.decides_overwrite_main_grad(setter)
+    assert overwrite_setter.decides_overwrite_main_grad(setter)
     found = detection.detect_file(registry.COPIES[0],
                                   head / "megatron_fsdp" / "param_and_grad_buffer.py")
-    assert not found.needs(registry.REDUCE_ONCE) and not found.needs(registry.ZERO1_ACCUMULATE)
+    assert not found.needs(fix_catalogue.REDUCE_ONCE) and not found.needs(
+        fix_catalogue.ZERO1_ACCUMULATE)
 
 
 def test_a_collective_outside_the_guarded_loop_is_not_skipping(tmp_path: Path) -> None:
@@ -238,13 +248,13 @@ def test_a_collective_outside_the_guarded_loop_is_not_skipping(tmp_path: Path) -
     buffer = releases.unpacked("megatron-fsdp", "0.3.1") / "megatron_fsdp" / \
         "param_and_grad_buffer.py"
     source = fingerprints.parse_file(buffer).source(registry.ALL_REDUCE)
-    assert structure.skips_every_buffer(source)
+    assert synchronous_reductions.skips_every_buffer(source)
     loop_end = "        for op in all_reduce_ops:\n"
     assert loop_end in source
     edited = source.replace(loop_end, "        torch.distributed.all_reduce(self.grad_data)\n"
                             + loop_end)
-    assert not structure.skips_every_buffer(edited)
-    assert not structure.reduces_every_buffer(edited)
+    assert not synchronous_reductions.skips_every_buffer(edited)
+    assert not synchronous_reductions.reduces_every_buffer(edited)
 
 
 def unrecognised_hooks_copy(root: Path, version: str) -> Path:
@@ -277,10 +287,10 @@ def test_unrecognised_hooks_limit_only_the_strategies_whose_synchronous_reductio
 
 
 def test_the_defect_is_the_fixs() -> None:
-    defect = registry.UNSHARDED_GRADS_REDUCED_TWICE
-    assert defect in registry.RELEASE_DEFECTS and defect.fix == registry.REDUCE_ONCE.id
-    assert registry.defects_of({defect.fix: "applied"}) == [defect]
-    assert registry.defects_of({defect.fix: "not needed"}) == []
+    defect = release_defects.UNSHARDED_GRADS_REDUCED_TWICE
+    assert defect in release_defects.RELEASE_DEFECTS and defect.fix == fix_catalogue.REDUCE_ONCE.id
+    assert release_defects.defects_of({defect.fix: "applied"}) == [defect]
+    assert release_defects.defects_of({defect.fix: "not needed"}) == []
 
 
 def case(strategy: str, hotfix: str, **fields: Any) -> CaseSpec:

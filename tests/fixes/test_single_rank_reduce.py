@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import releases
 
-from mfsdp_hotfix import detection, registry
+from mfsdp_hotfix import detection, fix_catalogue, registry, release_defects
 from mfsdp_hotfix.fixes import single_rank_reduce
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseSpec
@@ -46,9 +46,10 @@ def test_a_one_rank_reduction_scales_as_the_releases_collective_would(
 
 
 def test_the_defect_is_the_fixs_and_gated_by_the_hooks() -> None:
-    defect = registry.SINGLE_RANK_GRADS
-    assert defect in registry.RELEASE_DEFECTS and defect.fix == registry.SINGLE_RANK_REDUCE.id
-    assert registry.SINGLE_RANK_REDUCE.gate == registry.HOOKS
+    defect = release_defects.SINGLE_RANK_GRADS
+    assert (defect in release_defects.RELEASE_DEFECTS
+            and defect.fix == fix_catalogue.SINGLE_RANK_REDUCE.id)
+    assert fix_catalogue.SINGLE_RANK_REDUCE.gate == registry.HOOKS
     assert all("single-rank-reduce" in shape.needs for shape in registry.SHAPES[registry.HOOKS]
                if shape.fingerprint is not None)
 

@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import releases
 
-from mfsdp_hotfix import registry, structure
+from mfsdp_hotfix import fix_catalogue, registry, release_defects
 from mfsdp_hotfix.fixes import zero1_accumulate
+from mfsdp_hotfix.structure import overwrite_setter
 
 JOB = Path(__file__).with_name("accumulation_job.py")
 
@@ -47,7 +48,7 @@ def run_job(release: Path, hotfix: bool, **config: Any) -> dict[str, Any]:
 
 def fix_state(report: dict[str, Any]) -> str:
     (copy,) = [c for c in report["status"]["copies"] if c["package"] == "megatron_fsdp"]
-    return str(copy["fixes"][registry.ZERO1_ACCUMULATE.id]["state"])
+    return str(copy["fixes"][fix_catalogue.ZERO1_ACCUMULATE.id]["state"])
 
 
 def test_undoes_the_attribute_only_where_gradients_are_not_sharded() -> None:
@@ -146,8 +147,8 @@ SETS_THE_STRATEGY = UPSTREAM.replace(
          "per-parameter", "silent", "getattr-default", "also-setattr", "also-unpacked",
          "also-in-a-branch", "sets-the-strategy"])
 def test_fork_shapes(source: str, always: bool, decides: bool) -> None:
-    assert structure.always_overwrites_main_grad(source) is always
-    assert structure.decides_overwrite_main_grad(source) is decides
+    assert overwrite_setter.always_overwrites_main_grad(source) is always
+    assert overwrite_setter.decides_overwrite_main_grad(source) is decides
 
 
 def test_a_getattr_default_in_the_setter_is_never_not_needed(tmp_path: Path) -> None:
@@ -170,11 +171,11 @@ def test_a_getattr_default_in_the_setter_is_never_not_needed(tmp_path: Path) -> 
 
 
 def test_the_defect_is_the_fixs() -> None:
-    defect = registry.ZERO1_FUSED_WGRAD_OVERWRITE
-    assert defect in registry.RELEASE_DEFECTS
-    assert defect.name == "zero1-fused-wgrad-overwrite" and defect.fix in registry.FIX_IDS
-    assert registry.defects_of({defect.fix: "off"}) == [defect]
-    assert registry.defects_of({defect.fix: "not needed"}) == []
+    defect = release_defects.ZERO1_FUSED_WGRAD_OVERWRITE
+    assert defect in release_defects.RELEASE_DEFECTS
+    assert defect.name == "zero1-fused-wgrad-overwrite" and defect.fix in fix_catalogue.FIX_IDS
+    assert release_defects.defects_of({defect.fix: "off"}) == [defect]
+    assert release_defects.defects_of({defect.fix: "not needed"}) == []
 
 
 @pytest.mark.parametrize("version", ["0.4.0", "0.5.1", "0.6.1"])
@@ -185,7 +186,7 @@ def test_released_wheels_need_the_fix(version: str) -> None:
     folder = releases.unpacked("megatron-fsdp", version)
     found = detection.detect_file(copy, folder / "megatron_fsdp" / "param_and_grad_buffer.py",
                                   installed=False)
-    assert found.needs(registry.ZERO1_ACCUMULATE), found.shapes
+    assert found.needs(fix_catalogue.ZERO1_ACCUMULATE), found.shapes
 
 
 def fields(report: dict[str, Any]) -> tuple[str, set[Any]]:

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import releases
 
-from mfsdp_hotfix import detection, registry
+from mfsdp_hotfix import detection, registry, release_defects
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseSpec
 
-DEFECT = registry.UNSHARDED_SHARD_ADDED_TO_ITSELF.name
+DEFECT = release_defects.UNSHARDED_SHARD_ADDED_TO_ITSELF.name
 
 
 def case(version: str, hotfix: str, **fields: Any) -> CaseSpec:
@@ -33,7 +33,7 @@ def test_the_carrier_shape_says_which_releases_have_it(dist: str, version: str,
     found = detection.find_installed(copy, [str(releases.unpacked(dist, version))])
     assert found is not None
     shapes = detection.detect_file(copy, found).shapes
-    assert registry.carried(registry.UNSHARDED_SHARD_ADDED_TO_ITSELF, shapes) is has
+    assert release_defects.carried(release_defects.UNSHARDED_SHARD_ADDED_TO_ITSELF, shapes) is has
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from configurations import MAXPOOL, grads_equal
 from conftest import run_python
 from upstream_change import TREES, DoesNotApply
 
-from mfsdp_hotfix import registry
+from mfsdp_hotfix import eras, fix_catalogue, registry
 from mfsdp_hotfix.selftest.protocol import MEGATRON_LM
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseSpec
@@ -151,9 +151,9 @@ def _stands_down(copy: dict[str, object]) -> None:
     assert copy["era"] == "none" and not copy["refused"], copy
     fixes = copy["fixes"]
     assert isinstance(fixes, dict)
-    for fix in registry.DOUBLE_BUFFER_FIXES:
+    for fix in fix_catalogue.DOUBLE_BUFFER_FIXES:
         assert fixes[fix.id]["state"] == "not needed", fixes
-    assert registry.ORDERED_DRAIN_UPSTREAM in fixes["ordered-drain"]["reason"], fixes
+    assert eras.ORDERED_DRAIN_UPSTREAM in fixes["ordered-drain"]["reason"], fixes
 
 
 @pytest.mark.parametrize("name", sorted(TREES))
@@ -189,7 +189,7 @@ def test_with_the_hotfix_loaded_nothing_is_patched_and_the_audit_still_watches()
     assert not result.crashed and grads_equal(result), where
     copy = (result.audit_report or {})["copies"][0]
     assert copy["era"] == "none", copy
-    assert not set(copy["fixes"]) & {fix.id for fix in registry.DOUBLE_BUFFER_FIXES}, copy
+    assert not set(copy["fixes"]) & {fix.id for fix in fix_catalogue.DOUBLE_BUFFER_FIXES}, copy
     assert result.audit_verdict == "ordered" and result.audit_reuses > 0, where
     assert result.audit_unordered == 0, where
 

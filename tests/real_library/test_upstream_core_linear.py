@@ -31,7 +31,8 @@ from conftest import run_python
 from realcases import extended, release_path
 from upstream_change import CORE_LINEAR_PATCH, CORE_LINEAR_TEST, DoesNotApply
 
-from mfsdp_hotfix import fingerprints, registry, structure
+from mfsdp_hotfix import fingerprints, fix_catalogue, registry
+from mfsdp_hotfix.structure import core_linear
 
 LAYERS = "megatron/core/tensor_parallel/layers.py"
 NO_CLONE = ("needs a Megatron-LM clone with main: set MFSDP_TEST_MEGATRON_LM to its git dir "
@@ -90,9 +91,9 @@ def _backward(root: Path) -> str:
 def test_the_patch_applies_to_main_and_changes_only_the_megatron_fsdp_branch(
         patched_main: Path) -> None:
     before, after = _backward(_main()), _backward(patched_main)
-    assert structure.fsdp_wgrad_overwrites(before)
-    assert structure.fsdp_wgrad_follows_overwrite_main_grad(after)
-    assert not structure.fsdp_wgrad_overwrites(after)
+    assert core_linear.fsdp_wgrad_overwrites(before)
+    assert core_linear.fsdp_wgrad_follows_overwrite_main_grad(after)
+    assert not core_linear.fsdp_wgrad_overwrites(after)
     shipped = (_main() / LAYERS).read_text()
     changed = (patched_main / LAYERS).read_text()
     assert shipped.replace(before, "") == changed.replace(after, "")  # nothing else changed
@@ -115,7 +116,7 @@ def _fix_state(root: Path) -> str:
     assert proc.returncode == 0, proc.stderr[-3000:]
     (copy,) = json.loads(proc.stdout)["copies"]
     assert copy["copy"] == "megatron-core (vendored)", copy
-    return str(copy["fixes"][registry.CORE_LINEAR_ACCUMULATE.id]["state"])
+    return str(copy["fixes"][fix_catalogue.CORE_LINEAR_ACCUMULATE.id]["state"])
 
 
 def test_status_needs_the_fix_on_main_and_not_once_patched(patched_main: Path) -> None:
