@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 README = (REPO / "README.md").read_text()
 USAGE = (REPO / "docs" / "USAGE.md").read_text()
 # Sections whose commands are for people working on this repository, not for its users.
-NOT_USER_ROUTES = ("Tests",)
+NOT_USER_ROUTES = ("How it is built, and tested",)
 
 
 def _user_text() -> str:
