@@ -162,7 +162,7 @@ def _slot_verdict(copy: dict[str, Any]) -> tuple[str, str | None]:
 
 def is_used(copy: dict[str, Any]) -> bool:
     """A copy that built a gradient pool, saw anything, could not be watched, or built a
-    one-rank gradient buffer that has the size-one group defect."""
+    one-rank gradient buffer that has the size-one group defect: one whose verdict counts."""
     return copy.get("grad_pools") != {} or bool(
         copy.get("reuses") or copy.get("crashed") or copy.get("unseen")
         or copy.get("unwatched_pools") or copy.get("audited") is False) \

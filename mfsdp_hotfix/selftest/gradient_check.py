@@ -16,7 +16,7 @@ from mfsdp_hotfix.selftest.spec import CaseSpec
 
 
 def gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]],
-                 shard_ranks: int | None = None) -> dict[str, Any]:
+                shard_ranks: int | None = None) -> dict[str, Any]:
     """Full gradients from the ranks' row shards (Megatron-FSDP shards dim 0, rank order).
 
     A rank whose shard of a parameter is empty has ``grad is None`` there. An expert parameter
