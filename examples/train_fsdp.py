@@ -56,7 +56,7 @@ def main() -> None:
     import megatron_fsdp  # the standalone package; megatron-core's copy works the same way
 
     from mfsdp_hotfix.selftest import model as model_lib
-    from mfsdp_hotfix.selftest.worker import wrap
+    from mfsdp_hotfix.selftest.wrapping import wrap
 
     hidden, tokens = 64, 16
     net = model_lib.build_on(device, args.layer, hidden, units=5, seed=1234)

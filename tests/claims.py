@@ -294,9 +294,9 @@ def class_defaults(module: str, name: str) -> dict[str, Any]:
 @functools.cache
 def exit_statuses() -> dict[str, int]:
     """Every exit status of mfsdp-hotfix's commands, by the name the code gives it
-    (``commands/exits.py``, ``tree.py``, and the audit's verdicts, ``audit/report.py``)."""
+    (``commands/exits.py``, ``tree.py``, and the audit's verdicts, ``audit/verdicts.py``)."""
     exits, tree = code_constants("commands/exits.py"), code_constants("tree.py")
-    audit = code_constants("audit/report.py")
+    audit = code_constants("audit/verdicts.py")
     out = {name: exits[name] for name in ("USAGE_ERROR", "CHECK_OK", "CHECK_UNFIXED",
                                           "SELFTEST_PASS", "SELFTEST_FAIL", "SELFTEST_CANNOT_RUN",
                                           "BROKEN_PIPE", "CANNOT_START")}

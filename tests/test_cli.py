@@ -416,7 +416,7 @@ def test_one_table_lists_every_exit_status_of_every_command() -> None:
     from conftest import REPO
 
     from mfsdp_hotfix import tree
-    from mfsdp_hotfix.audit.report import VERDICTS
+    from mfsdp_hotfix.audit.verdicts import VERDICTS
     from mfsdp_hotfix.commands import exits
 
     text = (REPO / "docs" / "CLI.md").read_text()

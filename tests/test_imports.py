@@ -139,6 +139,18 @@ def test_the_megatron_lm_phases_look_only_down() -> None:
         assert not above, (module, above)
 
 
+def test_the_audits_records_look_only_down() -> None:
+    """mfsdp_hotfix/audit/: the rank files at the bottom, then the verdicts on a copy's counts,
+    the job line logged at exit, and on top the audit command's summary of the rank files; each
+    imports only the audit modules before it."""
+    order = ["rank_files", "verdicts", "job_line", "summary"]
+    graph = package_graph()
+    for i, name in enumerate(order):
+        audit = {m.rpartition(".")[2] for m in graph[f"mfsdp_hotfix.audit.{name}"]
+                 if m.startswith("mfsdp_hotfix.audit.")}
+        assert audit <= set(order[:i]), (name, audit - set(order[:i]))
+
+
 def test_validation_phases_import_the_engine_not_each_other() -> None:
     """fuzz and te_matrix plan their phase on the engine and the shared helpers below it (workdir,
     release_wheels' release table); the driver above them (gpu_phases) puts the phases together."""

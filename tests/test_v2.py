@@ -19,7 +19,8 @@ import releases
 from conftest import run_python
 
 from mfsdp_hotfix import v2
-from mfsdp_hotfix.audit import report
+from mfsdp_hotfix.audit.rank_files import read_rank_files
+from mfsdp_hotfix.audit.summary import summarise
 
 V2_JOB = """
 import json, os, sys
@@ -69,9 +70,9 @@ def test_a_v2_job_is_named_by_status_and_unwatched_by_the_audit(tmp_path: Path) 
     # importing the package is no v2 job: only the v1 copy, which built no pool, is listed
     assert [c["package"] for c in imported["audit"]] == ["megatron_fsdp"]
 
-    reports, unreadable = report.read_rank_files(str(tmp_path / "audit"))
+    reports, unreadable = read_rank_files(str(tmp_path / "audit"))
     assert unreadable == [] and reports[0]["final"]
-    verdict, lines = report.summarise(reports, str(tmp_path / "audit"))
+    verdict, lines = summarise(reports, str(tmp_path / "audit"))
     assert verdict == "UNWATCHED"
     (line,) = [line for line in lines if line.startswith("megatron_fsdp.experimental")]
     assert "(era v2, hotfix fixes applied: none)" in line and f"[{v2.AUDIT_NOTE}]" in line

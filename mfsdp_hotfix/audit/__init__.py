@@ -9,7 +9,9 @@ under ``MFSDP_HOTFIX=0``: with the hotfix off the audit diagnoses, with it on it
 read-only: every wrapper calls the original once and returns its result (or exception)
 unchanged, and an error in the audit's own bookkeeping disables it with one warning while the job
 goes on. Pieces: ``observer`` (ordering through ``torch.cuda`` / ``torch.distributed``),
-``copies`` (each Megatron-FSDP copy's pools), ``report`` (rank files, job summary).
+``copies`` (each Megatron-FSDP copy's pools), ``rank_files`` (one JSON file per rank),
+``verdicts`` (what a copy's counts mean), ``job_line`` (the job's summary line at exit),
+``summary`` (the ``mfsdp-hotfix audit`` command's reading of the rank files).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 from .. import incidents, registry, v2
 from ..settings import Settings
-from . import report
+from . import job_line, rank_files
 from .copies import CopyAudit, watch_buffer_module, watch_model_module, watch_v2_module
 from .observer import Observer
 
@@ -88,7 +90,7 @@ class _Audit:
         self.host = socket.gethostname()
         self.observer = Observer(self.fail)
         self.copies: dict[str, CopyAudit] = {}
-        self.file = report.RankFile(self.path)
+        self.file = rank_files.RankFile(self.path)
         self.steps = 0
         self.disabled: str | None = None
         self.finished = False
@@ -122,7 +124,7 @@ class _Audit:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         except OSError:
             pass  # the probe below names the folder that cannot hold the files
-        problem = report.probe(self.path)
+        problem = rank_files.probe(self.path)
         if problem is not None:
             incidents.report(REPORT, f"writing {self.path}.rank<N>.json", OSError(problem),
                              advice=_UNWRITABLE)
@@ -242,7 +244,7 @@ class _Audit:
             return  # a forked child, or a path that cannot be written
         with _lock:
             data = self.snapshot(final)
-            target = report.rank_file(self.path, data["rank"])
+            target = rank_files.rank_file(self.path, data["rank"])
             try:
                 self.file.write(data)
             except Exception as exc:
@@ -260,7 +262,7 @@ class _Audit:
         self._summarise(data)
 
     def _summarise(self, data: dict[str, Any]) -> None:
-        mine = {**report.totals(data), "unwritten": int(incidents.disabled(REPORT))}
+        mine = {**job_line.totals(data), "unwritten": int(incidents.disabled(REPORT))}
         world = self.group[2] if self.group is not None else 1
         found: dict[int, dict[str, int]] | None = {data["rank"]: mine}
         if world > 1:
@@ -269,16 +271,16 @@ class _Audit:
                 return
             store, rank, _ = self.group
             try:
-                found = report.exchange(store, rank, world, mine,
-                                        self.settings.cross_rank_timeout)
+                found = job_line.exchange(store, rank, world, mine,
+                                          self.settings.cross_rank_timeout)
             except Exception as exc:
                 incidents.report(SUMMARY, "exchanging the audit's totals through the store", exc,
                                  advice="the job summary line is not logged; every rank's "
                                  f"result is in {self.path}.rank*.json")
                 return
         if found is not None:
-            verdict, line = report.job_line(found, world, self.path,
-                                            self.settings.cross_rank_timeout)
+            verdict, line = job_line.job_line(found, world, self.path,
+                                              self.settings.cross_rank_timeout)
             _tell(logging.INFO if verdict == "ordered" else logging.WARNING, line)
 
 

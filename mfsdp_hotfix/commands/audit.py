@@ -48,13 +48,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     stop the audit before anything runs."""
     import subprocess
 
-    from ..audit import report as audit_report
+    from ..audit.rank_files import rank_files
 
     out, overwrite = args.out, args.overwrite
     command = command_after_dashes(args.cmd, parser, f"--out {out}")
     path = os.path.abspath(out)
     problem = _out_problem(out, path)
-    earlier = audit_report.rank_files(path)
+    earlier = rank_files(path)
     if not problem and earlier and not overwrite:
         problem = (f"rank files of an earlier run are there ({_names(earlier)}); give a new "
                    "path, or add --overwrite to delete them first")
@@ -92,20 +92,21 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _summary(path: str, deleted: int, status: int) -> int:
     """The rank files the command's ranks wrote, their summary and the verdict line (the
     command's exit ``status`` in it); returns the audit's exit status."""
-    from ..audit import report as audit_report
+    from ..audit.rank_files import probe, read_rank_files
+    from ..audit.summary import summarise
+    from ..audit.verdicts import VERDICTS, exit_status
 
-    reports, unreadable = audit_report.read_rank_files(path)
-    verdict, lines = audit_report.summarise(reports, path, None if reports or unreadable
-                                            else audit_report.probe(path))
+    reports, unreadable = read_rank_files(path)
+    verdict, lines = summarise(reports, path, None if reports or unreadable else probe(path))
     print(f"mfsdp-hotfix audit: {len(reports)} rank file(s) {path}.rank<N>.json"
           + (f" ({deleted} from an earlier run deleted first: --overwrite)" if deleted
              else ""))
     for line in lines + [f"unreadable: {name}" for name in unreadable]:
         print(f"  {line}")
-    meaning, todo, _ = audit_report.VERDICTS[verdict]
+    meaning, todo, _ = VERDICTS[verdict]
     print(f"audit: {verdict}: {meaning}" + ("" if verdict == "ordered" else f"; {todo}")
           + f" (command exit status {status})")
-    return audit_report.exit_status(verdict, status)
+    return exit_status(verdict, status)
 
 
 def _names(files: dict[int, str]) -> str:
@@ -128,7 +129,7 @@ def _make_folders(folder: str) -> list[str]:
 def _out_problem(out: str, path: str) -> str | None:
     """Why the rank files ``PATH.rank<N>.json`` cannot go where ``--out`` says (None: fine):
     probed by creating a file, before anything runs."""
-    from ..audit import report as audit_report
+    from ..audit.rank_files import probe
 
     prefix = "--out takes a path prefix, the rank files are PATH.rank<N>.json"
     if out.endswith(("/", os.sep)) or os.path.isdir(path):
@@ -142,4 +143,4 @@ def _out_problem(out: str, path: str) -> str | None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"{parent} is a file, so the folder {folder} for the rank files cannot exist"
-    return audit_report.probe(path)
+    return probe(path)

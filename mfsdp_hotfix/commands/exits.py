@@ -1,5 +1,6 @@
 """The exit statuses of ``mfsdp-hotfix``'s commands, named once (docs/CLI.md tabulates them;
-``tree.py`` names those of ``status --path``, ``audit/report.py`` those of the audit's verdicts)."""
+``tree.py`` names those of ``status --path``, ``audit/verdicts.py`` those of the audit's
+verdicts)."""
 
 # Exit status of a usage error (argparse's): no command, an unknown one, a bad option.
 USAGE_ERROR = 2

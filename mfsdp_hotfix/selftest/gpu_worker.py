@@ -30,7 +30,8 @@ from typing import Any
 from mfsdp_hotfix.compare import compare
 from mfsdp_hotfix.selftest import protocol as accumulation
 from mfsdp_hotfix.selftest.gpu_spec import DTYPES, ZERO_STRATEGY, GpuRun
-from mfsdp_hotfix.selftest.worker import STANDALONE, VENDORED, _release_info, resolve_flavour, wrap
+from mfsdp_hotfix.selftest.worker import STANDALONE, VENDORED, _release_info, resolve_flavour
+from mfsdp_hotfix.selftest.wrapping import wrap
 
 CRASHED = 3
 

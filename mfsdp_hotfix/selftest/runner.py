@@ -159,12 +159,12 @@ def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int]
 
 def _merge_audit(result: CaseResult, present: list[dict[str, Any]]) -> None:
     """The audit's counts from the rank files it wrote (what a user reads), summed over ranks."""
-    from mfsdp_hotfix.audit import report
+    from mfsdp_hotfix.audit.summary import summarise
 
     files = [r["audit_file"] for r in present if r.get("audit_file")]
     result.audit_files = len(files)
-    result.audit_verdict = report.summarise({int(f.get("rank", i)): f
-                                             for i, f in enumerate(files)}, "audit")[0]
+    result.audit_verdict = summarise({int(f.get("rank", i)): f
+                                      for i, f in enumerate(files)}, "audit")[0]
     if not files:
         result.audit_state = "no rank file written"
         return

@@ -14,26 +14,28 @@ single-process reference, then takes an SGD step on the shards (and the referenc
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
-import inspect
 import json
-import math
 import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from mfsdp_hotfix.compare import compare
 from mfsdp_hotfix.selftest import protocol as accumulation
+from mfsdp_hotfix.selftest.gradient_check import (
+    GradCheck,
+    gather_full,
+    reference_gradients,
+    sgd_step,
+)
 from mfsdp_hotfix.selftest.spec import CaseSpec
+from mfsdp_hotfix.selftest.wrapping import wrap
 
 if TYPE_CHECKING:  # at run time imported after the release is, by _install_checks
     from mfsdp_hotfix.selftest.ordering import OrderingChecker
@@ -84,189 +86,10 @@ def _hotfix_status() -> Any:
         return {"status_error": repr(exc)}
 
 
-def _gather_full(grads: dict[str, Any], shapes: dict[str, tuple[int, ...]],
-                 shard_ranks: int | None = None) -> dict[str, Any]:
-    """Full gradients from the ranks' row shards (Megatron-FSDP shards dim 0, rank order).
-
-    A rank whose shard of a parameter is empty has ``grad is None`` there. An expert parameter
-    (``.experts.`` in its name) is whole on every rank (its data-parallel group has one rank):
-    rank 0's is taken.
-
-    Written here rather than taken from the release: its uneven-DTensor gather uses an
-    all-gather of unequal sizes, which gloo refuses.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    local = {n: (g.to_local() if isinstance(g, DTensor) else g).detach().clone()
-             for n, g in grads.items() if g is not None}
-    shards: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(shards, local)
-    full = {}
-    # HSDP: the first DP-Outer group's shards make a whole; no_shard: rank 0's gradients
-    shards = shards[:shard_ranks]
-    for name, shape in shapes.items():
-        owners = shards[:1] if ".experts." in name else shards
-        pieces = [s[name].reshape(-1, *shape[1:]) for s in owners if name in s]
-        if not pieces:
-            raise AssertionError(f"no rank has a gradient for {name} after finish_grad_sync")
-        joined = torch.cat(pieces, dim=0)
-        if tuple(joined.shape) != tuple(shape):
-            raise RuntimeError(f"harness: shards of {name} join to {tuple(joined.shape)}, "
-                               f"expected {tuple(shape)}")
-        full[name] = joined
-    return full
-
-
-def fully_shard_model_of(release: Any) -> Any:
-    """Megatron-FSDP's ``fully_shard_model`` from whatever names it: the package
-    (``megatron_fsdp`` or megatron-core's vendored copy), its ``fully_shard`` module, the
-    ``fully_shard`` function the package exports under the same name, or ``fully_shard_model``
-    itself; anything else is a TypeError that says what is accepted."""
-    found = None
-    if isinstance(release, ModuleType):
-        found = getattr(release, "fully_shard_model", None)
-    elif callable(release) and getattr(release, "__name__", None) in ("fully_shard",
-                                                                       "fully_shard_model"):
-        found = getattr(sys.modules.get(getattr(release, "__module__", "") or ""),
-                        "fully_shard_model", None)
-    if not callable(found):
-        raise TypeError(
-            "wrap() takes Megatron-FSDP as its first argument: the package (megatron_fsdp, or "
-            "megatron.core.distributed.fsdp.src.megatron_fsdp), its fully_shard module or "
-            f"function, or fully_shard_model; got {release!r}")
-    return found
-
-
-def wrap(release: Any, module: Any, unit_cls: type, strategy: str,
-         double_buffer: bool, device: Any, per_token_loss: bool = False,
-         options: dict[str, Any] | None = None, outer: int = 1,
-         grad_comm_dtype: str | None = None, protocol: str = accumulation.DEFAULT,
-         div_fusion: bool = False, overlap_grad_reduce: bool = True,
-         experts: bool = False) -> Any:
-    """``fully_shard_model`` over all ranks of the default group, as a (ranks, 1) dp/tp mesh
-    (megatron-fsdp 0.5.x needs a registered TP submesh), with the options this release accepts;
-    ``options`` must all be accepted. ``outer`` > 1: HSDP, an (outer, ranks/outer, 1) mesh.
-    ``release``: Megatron-FSDP, as :func:`fully_shard_model_of` accepts it (e.g.
-    ``megatron_fsdp``, or ``from megatron_fsdp import fully_shard``).
-    ``protocol``: the accumulation protocol the caller will drive (``protocol.accumulate``); it
-    sets ``sync_model_each_microbatch``, which the release must accept.
-    ``div_fusion``: keep the release's ``gradient_reduce_div_fusion=True`` (PREMUL_SUM: on gloo
-    only with ``premul.install()``); False scales the buffer, then reduces with SUM.
-    ``overlap_grad_reduce``: False reduces ZeRO-1 / no_shard gradients in ``finish_grad_sync``.
-    ``experts``: the module has expert parameters (``model.Experts``), expert-parallel over all
-    ranks: ``expt_device_mesh`` is an (expert-data-parallel 1, tp 1) mesh of this rank, as
-    megatron-core's adapter builds it; a release without that option fails."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    fully_shard_model = fully_shard_model_of(release)
-
-    world = dist.get_world_size()
-    hybrid: dict[str, Any] = {}
-    if outer > 1:
-        mesh = init_device_mesh(device.type, (outer, world // outer, 1),
-                                mesh_dim_names=("dp_outer", "fsdp", "tp"))
-        flat = mesh["dp_outer", "fsdp"]._flatten("dp")
-        hybrid = {"dp_outer_dim": "dp_outer", "hybrid_fsdp_group": flat.get_group()}
-    else:
-        mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("fsdp", "tp"))
-    if experts:
-        if outer > 1:
-            raise ValueError("harness: expert units are not built with HSDP")
-        per_expert = init_device_mesh(device.type, (world, 1, 1),
-                                      mesh_dim_names=("ep", "fsdp", "tp"))
-        hybrid["expt_device_mesh"] = per_expert["fsdp", "tp"]
-    if grad_comm_dtype is not None:
-        import torch
-
-        mixed = importlib.import_module(fully_shard_model.__module__.rsplit(".", 1)[0]
-                                        + ".mixed_precision")
-        hybrid["mixed_precision_policy"] = mixed.MixedPrecisionPolicy(
-            grad_comm_dtype=getattr(torch, grad_comm_dtype))
-    wanted: dict[str, Any] = {
-        "module": module, "device_mesh": mesh, "dp_shard_dim": "fsdp", "tp_dim": "tp",
-        "fsdp_unit_modules": [unit_cls],
-        "zero_dp_strategy": strategy,
-        "device": device, "fsdp_double_buffer": double_buffer,
-        "overlap_grad_reduce": True, "overlap_param_gather": True,
-        "calculate_per_token_loss": per_token_loss,
-    }
-    accepted = inspect.signature(fully_shard_model).parameters
-    required = {**hybrid, **accumulation.wrap_options(protocol), **(options or {})}
-    if not overlap_grad_reduce:  # a setting studied, so a release without it fails the case
-        wanted.pop("overlap_grad_reduce")
-        required["overlap_grad_reduce"] = False
-    unknown = sorted(set(required) - set(accepted))
-    if unknown:
-        raise TypeError(f"this release's fully_shard_model has no option {', '.join(unknown)}")
-    model = fully_shard_model(**{k: v for k, v in wanted.items() if k in accepted}, **required)
-    accumulation.verify(model, protocol)
-    # gloo has no PREMUL_SUM: by default scale first, then SUM (a setting, not a patch; the GPU
-    # runs use the same, so that every backend reduces alike).
-    if not div_fusion:
-        if not hasattr(model.ddp_config, "gradient_reduce_div_fusion"):
-            raise TypeError("this release's DistributedDataParallelConfig has no "
-                            "gradient_reduce_div_fusion")
-        model.ddp_config.gradient_reduce_div_fusion = False
-    return model
-
-
 def _rank_loss(spec: CaseSpec, loss: Any, world: int) -> Any:
     """What a rank back-propagates: with "per-token" the release only sums over ranks, so the
     1/world size of the mean is applied here (a power of two: exact)."""
     return loss / world if spec.grad_reduce == "per-token" else loss
-
-
-def _reference(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any) -> list[dict[str, Any]]:
-    """Plain single-process PyTorch: per iteration, the sum over microbatches of the mean over
-    ranks of each rank's loss gradient (what both protocols define, ``protocol``), then an SGD
-    step. The additions are made in the order the release's reduction makes them, so that a
-    correct run is bit-identical: where the protocol reduces once per step
-    (``protocol.reduces_once``), each rank's gradients are summed over microbatches first and
-    the ranks' sums then averaged; otherwise each microbatch is averaged over ranks first."""
-    from mfsdp_hotfix.selftest import model as model_lib
-
-    ref = model_lib.build(spec.hidden, spec.units, spec.seed, "plain", dtype, spec.wide_units,
-                          spec.experts)
-    ranks = inputs.shape[2]
-    once = accumulation.reduces_once(spec.protocol, spec.strategy, spec.outer)
-    out: list[dict[str, Any]] = []
-    for it in range(spec.iterations):
-        if once:
-            per_rank = []
-            for r in range(ranks):
-                ref.zero_grad(set_to_none=True)
-                for mb in range(spec.microbatches):
-                    loss: Any = model_lib.loss_fn(ref(inputs[it, mb, r]), targets[it, mb, r])
-                    loss.backward()
-                per_rank.append({n: p.grad.detach().clone() for n, p in ref.named_parameters()
-                                 if p.grad is not None})
-            grads = {n: sum(g[n] * (1.0 / ranks) for g in per_rank) for n in per_rank[0]}
-        else:
-            ref.zero_grad(set_to_none=True)
-            for mb in range(spec.microbatches):
-                loss = sum(model_lib.loss_fn(ref(inputs[it, mb, r]), targets[it, mb, r])
-                           for r in range(ranks)) / ranks
-                loss.backward()
-            grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()
-                     if p.grad is not None}
-        out.append(grads)
-        for n, p in ref.named_parameters():
-            p.grad = grads.get(n)
-        _sgd_step(ref.parameters(), spec.lr)
-    return out
-
-
-def _sgd_step(params: Any, lr: float) -> None:
-    """Plain SGD, the same elementwise op on full tensors (reference) and on shards (FSDP)."""
-    import torch
-
-    with torch.no_grad():
-        for p in params:
-            if p.grad is not None and lr:
-                p.add_(p.grad, alpha=-lr)
 
 
 def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str, Any]:
@@ -398,18 +221,19 @@ def _build_fsdp(spec: CaseSpec, fully_shard: ModuleType, world: int, report: dic
 
 
 def _train(spec: CaseSpec, fsdp: Any, inputs: Any, targets: Any, rank: int, world: int
-           ) -> _GradCheck:
+           ) -> GradCheck:
     """``spec.iterations`` training steps; each step's full gradients are digested, and on rank
     0 compared with the reference's, before the SGD step on the shards."""
     import torch
 
-    reference = _reference(spec, inputs, targets, getattr(torch, spec.dtype)) if rank == 0 else None
-    check = _GradCheck()
+    reference = (reference_gradients(spec, inputs, targets, getattr(torch, spec.dtype))
+                 if rank == 0 else None)
+    check = GradCheck()
     for it in range(spec.iterations):
         grads = _step_gradients(spec, fsdp, inputs, targets, it, rank, world)
         check.add(grads, it, reference[it] if reference is not None else None)
         if spec.lr:  # optimizer step on the shards, then back into the model's weights
-            _sgd_step(fsdp.module.parameters(), spec.lr)
+            sgd_step(fsdp.module.parameters(), spec.lr)
             fsdp.install_optimized_model_weights()
     return check
 
@@ -429,48 +253,9 @@ def _step_gradients(spec: CaseSpec, fsdp: Any, inputs: Any, targets: Any, it: in
     accumulation.accumulate(fsdp, spec.protocol, spec.microbatches, microbatch)
     accumulation.finish(fsdp, spec.protocol)
     named = dict(fsdp.module.named_parameters())
-    return _gather_full({n: p.grad for n, p in named.items()},
-                        {n: tuple(p.shape) for n, p in named.items()},
-                        1 if spec.strategy == "no_shard" else world // spec.outer)
-
-
-@dataclass
-class _GradCheck:
-    """The gathered gradients of every iteration: a digest of them, and how far they are from
-    the reference's where rank 0 compared them."""
-
-    digest: Any = field(default_factory=hashlib.sha256)
-    worst_abs: float = 0.0
-    worst_rel: float = 0.0
-    compared: int = 0
-    per_param: dict[str, float] = field(default_factory=dict)  # "name@iteration" -> error > 0
-
-    def add(self, grads: dict[str, Any], it: int, reference: dict[str, Any] | None) -> None:
-        """Iteration ``it``'s gradients, and (rank 0) the reference's for that iteration."""
-        for name in sorted(grads):
-            self.digest.update(name.encode())
-            self.digest.update(grads[name].contiguous().numpy().tobytes())
-        for name, want in (reference or {}).items():
-            got = grads[name].reshape(want.shape)
-            # not bit-identity (another computation): how far from it, NaN/Inf: inf
-            diff = compare([{name: got}], [{name: want}]).max_abs
-            if diff is None:
-                diff = math.inf
-            self.compared += 1
-            scale = want.abs().max().item() or 1.0
-            self.worst_abs = max(self.worst_abs, diff)
-            self.worst_rel = max(self.worst_rel, diff / scale)
-            if diff > 0:
-                self.per_param[f"{name}@{it}"] = diff
-
-    def fields(self) -> dict[str, Any]:
-        """Rank 0's report fields."""
-        worst = sorted(self.per_param.items(), key=lambda kv: -kv[1])[:8]
-        return {"grads_compared": self.compared,  # gradients, over all iterations
-                "max_abs_grad_error": self.worst_abs if self.compared else None,  # none: no match
-                "max_rel_grad_error": self.worst_rel,
-                "grad_digest": self.digest.hexdigest(),
-                "worst_grads": dict(worst)}
+    return gather_full({n: p.grad for n, p in named.items()},
+                       {n: tuple(p.shape) for n, p in named.items()},
+                       1 if spec.strategy == "no_shard" else world // spec.outer)
 
 
 def main(argv: list[str]) -> int:

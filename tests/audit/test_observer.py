@@ -165,8 +165,8 @@ def test_audit_counts_equal_the_stand_in_checker_on_the_miniature(
 
 def test_a_copy_without_hooks_the_audit_needs_is_listed_unwatched_with_the_reason() -> None:
     from mfsdp_hotfix import registry
-    from mfsdp_hotfix.audit import report
     from mfsdp_hotfix.audit.copies import watch_buffer_module
+    from mfsdp_hotfix.audit.verdicts import copy_verdict
 
     copy = registry.COPIES[0]
     bare = miniature()
@@ -174,7 +174,7 @@ def test_a_copy_without_hooks_the_audit_needs_is_listed_unwatched_with_the_reaso
     audit = watch_buffer_module(copy, bare, Observer(_raise), _raise)
     found = audit.as_dict([])
     assert found["audited"] is False and found["grad_pools"] is None
-    verdict, why = report.copy_verdict(found)
+    verdict, why = copy_verdict(found)
     assert verdict == "UNWATCHED" and why is not None
     assert "no pool allocator class the audit knows (FixedPoolAllocator, MaxPoolAllocator)" in why
 

@@ -37,8 +37,9 @@ def run(config: dict[str, Any], rank: int, world: int, store_path: str) -> dict[
 
     from mfsdp_hotfix.compare import compare
     from mfsdp_hotfix.selftest import model as model_lib
+    from mfsdp_hotfix.selftest.gradient_check import gather_full
     from mfsdp_hotfix.selftest.spec import CaseSpec
-    from mfsdp_hotfix.selftest.worker import _gather_full, wrap
+    from mfsdp_hotfix.selftest.wrapping import wrap
 
     spec = CaseSpec(strategy=config["strategy"], microbatches=config["microbatches"],
                     linear=config.get("linear", "emulated"),
@@ -70,8 +71,8 @@ def run(config: dict[str, Any], rank: int, world: int, store_path: str) -> dict[
                 for name, param in fsdp.module.named_parameters()}
         fsdp.finish_grad_sync()
         named = dict(fsdp.module.named_parameters())
-        steps.append(_gather_full({n: p.grad for n, p in named.items()},
-                                  {n: tuple(p.shape) for n, p in named.items()}))
+        steps.append(gather_full({n: p.grad for n, p in named.items()},
+                                 {n: tuple(p.shape) for n, p in named.items()}))
         with torch.no_grad():
             for param in fsdp.module.parameters():
                 if param.grad is not None:

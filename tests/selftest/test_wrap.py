@@ -11,7 +11,7 @@ import sys
 import megatron_fsdp
 from megatron_fsdp import fully_shard, fully_shard_model
 module = sys.modules["megatron_fsdp.fully_shard"]
-from mfsdp_hotfix.selftest.worker import fully_shard_model_of
+from mfsdp_hotfix.selftest.wrapping import fully_shard_model_of
 assert fully_shard is not module  # the function hides the module of the same name
 for given in (megatron_fsdp, module, fully_shard, fully_shard_model):
     assert fully_shard_model_of(given) is fully_shard_model, given
