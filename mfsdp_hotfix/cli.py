@@ -56,7 +56,9 @@ def _main(argv: list[str] | None) -> int:
                         help="print the version and exit")
     commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     for command in COMMANDS:
-        command.add_parser(commands)
+        command.add_arguments(commands.add_parser(command.NAME, help=command.HELP,
+                                                  usage=command.USAGE,
+                                                  description=command.DESCRIPTION))
     guide = commands.add_parser("help", help="print the commands, or one command's help",
                                 usage="mfsdp-hotfix help [COMMAND]",
                                 description="Print the list of commands, or with COMMAND that "

@@ -6,20 +6,20 @@ They read the package's lower layers; nothing below imports them.
 from __future__ import annotations
 
 import argparse
-from typing import Protocol, TypeAlias
-
-# What ``ArgumentParser.add_subparsers()`` returns (generic for type checkers only).
-Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+from typing import Protocol
 
 
 class Command(Protocol):
-    """What each command module has."""
+    """What each command module has: its name, the texts of its help, and its options. ``cli.py``
+    makes its subparser from them, so that every command is listed and described one way."""
 
     NAME: str
+    HELP: str  # its line in ``mfsdp-hotfix --help``
+    USAGE: str | None  # its usage line where argparse's own would mislead
+    DESCRIPTION: str
 
-    def add_parser(self, commands: Subparsers) -> argparse.ArgumentParser:
-        """Add the command's subparser, with its options, to the top-level parser's
-        ``commands``; returns it."""
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add the command's options to its own ``parser``."""
 
     def run(self, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         """Carry the command out; returns its exit status (:mod:`.exits`). ``parser`` is the

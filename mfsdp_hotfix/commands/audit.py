@@ -10,27 +10,24 @@ import os
 import sys
 
 from .. import settings
-from . import Subparsers
 from .exits import CANNOT_START, USAGE_ERROR
 from .run import add_command_argument, command_after_dashes, pythonpath_with_bootstrap
 
 NAME = "audit"
+HELP = "run a job with the on-the-job audit, then summarise it"
+USAGE: str | None = "mfsdp-hotfix audit --out PATH -- COMMAND [ARGS...]"
+DESCRIPTION = ("Run COMMAND (e.g. torchrun ... train.py) like 'mfsdp-hotfix run', with "
+               "MFSDP_HOTFIX_AUDIT=PATH: every rank writes PATH.rank<N>.json. Then print a "
+               "summary of them; the last line is 'audit: <VERDICT>: ...' (UNORDERED, CRASH, "
+               "WRONG GRADIENTS, UNWATCHED, INCOMPLETE, NOT CHECKED, ordered, UNWRITABLE or NO "
+               "DATA). Exit status: 3 for a finding (UNORDERED, CRASH, WRONG GRADIENTS) whatever "
+               "the command's status; else the command's when it failed; else 0 only for "
+               "ordered, 4 when nothing or not everything was checked; 2 when nothing was run "
+               "(an --out where no file can be created, or rank files of an earlier run there "
+               "without --overwrite).")
 
 
-def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
-    audit = commands.add_parser(
-        NAME, help="run a job with the on-the-job audit, then summarise it",
-        usage="mfsdp-hotfix audit --out PATH -- COMMAND [ARGS...]",
-        description="Run COMMAND (e.g. torchrun ... train.py) like 'mfsdp-hotfix run', with "
-                    "MFSDP_HOTFIX_AUDIT=PATH: every rank writes PATH.rank<N>.json. Then print a "
-                    "summary of them; the last line is 'audit: <VERDICT>: ...' (UNORDERED, "
-                    "CRASH, WRONG GRADIENTS, UNWATCHED, INCOMPLETE, NOT CHECKED, ordered, "
-                    "UNWRITABLE or NO DATA). Exit status: 3 for a finding (UNORDERED, CRASH, "
-                    "WRONG GRADIENTS) whatever the "
-                    "command's status; else the command's when it failed; else 0 only for "
-                    "ordered, 4 when nothing or not everything was checked; 2 when nothing was "
-                    "run (an --out where no file can be created, or rank files of an earlier "
-                    "run there without --overwrite).")
+def add_arguments(audit: argparse.ArgumentParser) -> None:
     audit.add_argument("--out", required=True, metavar="PATH",
                        help="path prefix of the rank files (PATH.rank<N>.json); a missing "
                             "folder is created (and said so)")
@@ -39,7 +36,6 @@ def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
                             "running (without it, their presence stops the audit before it "
                             "runs anything)")
     add_command_argument(audit)
-    return audit
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

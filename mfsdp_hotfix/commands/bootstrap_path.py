@@ -6,16 +6,16 @@ from __future__ import annotations
 import argparse
 
 from .. import bootstrap
-from . import Subparsers
 
 NAME = "bootstrap-path"
+HELP = "print the folder to prepend to PYTHONPATH"
+USAGE: str | None = None
+DESCRIPTION = ("Print the folder holding the hotfix's sitecustomize, for job scripts: "
+               "PYTHONPATH=$(mfsdp-hotfix bootstrap-path):$PYTHONPATH")
 
 
-def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
-    return commands.add_parser(NAME, help="print the folder to prepend to PYTHONPATH",
-                               description="Print the folder holding the hotfix's sitecustomize, "
-                                           "for job scripts: PYTHONPATH=$(mfsdp-hotfix "
-                                           "bootstrap-path):$PYTHONPATH")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No options."""
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

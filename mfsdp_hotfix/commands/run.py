@@ -8,21 +8,18 @@ import os
 import sys
 
 from .. import bootstrap
-from . import Subparsers
 from .exits import CANNOT_START
 
 NAME = "run"
+HELP = "run a command with the hotfix on every process"
+USAGE: str | None = "mfsdp-hotfix run -- COMMAND [ARGS...]"
+DESCRIPTION = ("Run COMMAND with the hotfix's sitecustomize first on PYTHONPATH, so that it and "
+               "every Python process it starts load the hotfix (for environments that do not "
+               "process site-packages .pth files).")
 
 
-def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
-    run = commands.add_parser(NAME, help="run a command with the hotfix on every process",
-                              usage="mfsdp-hotfix run -- COMMAND [ARGS...]",
-                              description="Run COMMAND with the hotfix's sitecustomize first on "
-                                          "PYTHONPATH, so that it and every Python process it "
-                                          "starts load the hotfix (for environments that do not "
-                                          "process site-packages .pth files).")
-    add_command_argument(run)
-    return run
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_command_argument(parser)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

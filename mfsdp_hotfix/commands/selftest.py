@@ -13,23 +13,22 @@ from .. import settings, tree
 from ..selftest.gpu_spec import LAYERS as GPU_LAYERS
 from ..selftest.protocol import DEFAULT as DEFAULT_PROTOCOL
 from ..selftest.protocol import PROTOCOLS
-from . import Subparsers
 from .exits import SELFTEST_CANNOT_RUN, SELFTEST_FAIL, SELFTEST_PASS
 
 NAME = "selftest"
+HELP = "prove the fix on this install (CPU, 2 ranks)"
+USAGE: str | None = None
+DESCRIPTION = ("Train a small model with this environment's torch and Megatron-FSDP on CPU (2 "
+               "gloo ranks, fused wgrad, fsdp_double_buffer=True), once with MFSDP_HOTFIX=0 and "
+               "once with the hotfix; installs nothing. The last line is 'selftest: PASS: ...' "
+               "(exit 0), 'selftest: FAIL: ...' (exit 1: a fix failed) or 'selftest: CANNOT "
+               "RUN: ...' (exit 2: no torch or numpy here, or the copy asked for cannot be "
+               "imported).")
 CANNOT_RUN = "CANNOT RUN"
 GPU_ONLY = ("gpus", "layer", "delay_ms", "zero", "dtype", "timeout")
 
 
-def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
-    test = commands.add_parser(
-        NAME, help="prove the fix on this install (CPU, 2 ranks)",
-        description="Train a small model with this environment's torch and Megatron-FSDP on CPU "
-                    "(2 gloo ranks, fused wgrad, fsdp_double_buffer=True), once with "
-                    "MFSDP_HOTFIX=0 and once with the hotfix; installs nothing. The last line "
-                    "is 'selftest: PASS: ...' (exit 0), 'selftest: FAIL: ...' (exit 1: a fix "
-                    "failed) or 'selftest: CANNOT RUN: ...' (exit 2: no torch or numpy here, "
-                    "or the copy asked for cannot be imported).")
+def add_arguments(test: argparse.ArgumentParser) -> None:
     test.add_argument("--path", help="folder put first on sys.path of the test processes, "
                                      "e.g. an unpacked release (default: as installed); "
                                      "refused if it is not a folder")
@@ -50,7 +49,6 @@ def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
                            "counts equal the stand-in's; with --json, print {\"phases\": [...]} "
                            "(with --gpu the audit is always on)")
     _add_gpu_options(test)
-    return test
 
 
 def _add_gpu_options(test: argparse.ArgumentParser) -> None:

@@ -13,20 +13,19 @@ import sys
 from typing import Any
 
 from .. import bootstrap, installer, registry, reporting, settings, tree, variables
-from . import Subparsers
 from .exits import CHECK_OK, CHECK_UNFIXED
 from .output import emit
 
 NAME = "status"
+HELP = "affected? protected? then each copy found and its fixes"
+USAGE: str | None = None
+DESCRIPTION = ("For a new Python process of this environment: first one line, whether a "
+               "Megatron-FSDP copy is affected and whether it is protected (or what to use "
+               "instead), then one line per copy found and how the hotfix is loaded. Warnings "
+               "go to stderr. Needs no torch.")
 
 
-def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
-    show = commands.add_parser(
-        NAME, help="affected? protected? then each copy found and its fixes",
-        description="For a new Python process of this environment: first one line, whether a "
-                    "Megatron-FSDP copy is affected and whether it is protected (or what to "
-                    "use instead), then one line per copy found and how the hotfix is loaded. "
-                    "Warnings go to stderr. Needs no torch.")
+def add_arguments(show: argparse.ArgumentParser) -> None:
     show.add_argument("--json", action="store_true", help="one JSON object on stdout")
     show.add_argument("--verbose", action="store_true",
                       help="also each copy's code shapes, fix reasons and release defects")
@@ -38,7 +37,6 @@ def add_parser(commands: Subparsers) -> argparse.ArgumentParser:
                            "site-packages folder, a Megatron-LM checkout), read from their source "
                            f"without importing them; exit {tree.NOT_A_FOLDER} if DIR is not a "
                            f"readable folder, {tree.NOTHING_FOUND} if it holds no copy")
-    return show
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
