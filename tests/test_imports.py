@@ -132,10 +132,27 @@ def test_the_megatron_lm_phases_look_only_down() -> None:
              "megatron_lm.outcome", "megatron_lm.launch", "megatron_lm.unit_tests",
              "megatron_lm.driver", "megatron_lm.summary", "megatron_lm.record",
              "megatron_lm.tables", "megatron_lm.__main__"]
+    assert_looks_only_down("megatron_lm", order)
+
+
+def test_the_safe_choices_phases_look_only_down() -> None:
+    """benchmarks/safe_choices/: the plan at the bottom, then the worker protocol, the driver,
+    the model, one variant's build, the summary (whose step statistics the measure takes), the
+    measure, the report, the record of a GPU call and the command line on top."""
+    order = ["safe_choices", "safe_choices.plan", "safe_choices.worker", "safe_choices.driver",
+             "safe_choices.model", "safe_choices.build", "safe_choices.summary",
+             "safe_choices.measure", "safe_choices.report", "safe_choices.record",
+             "safe_choices.__main__"]
+    assert_looks_only_down("safe_choices", order)
+
+
+def assert_looks_only_down(package: str, order: list[str]) -> None:
+    """Every module of the script package ``package`` is in ``order`` and imports only the
+    package's modules before it."""
     graph = script_graph()
-    assert sorted(order) == sorted(m for m in graph if m.split(".")[0] == "megatron_lm")
+    assert sorted(order) == sorted(m for m in graph if m.split(".")[0] == package)
     for i, module in enumerate(order):
-        above = {m for m in graph[module] if m.split(".")[0] == "megatron_lm"} - set(order[:i])
+        above = {m for m in graph[module] if m.split(".")[0] == package} - set(order[:i])
         assert not above, (module, above)
 
 

@@ -136,7 +136,7 @@ def test_evidence_quotes_the_measured_te_matrix() -> None:
 def test_the_cost_table_is_the_benchmark_report() -> None:
     """docs/PERFORMANCE.md, where 'Who needs it' sends users for the cost of the safe choices."""
     assert "docs/PERFORMANCE.md" in section("Who needs it")
-    proc = subprocess.run([sys.executable, "benchmarks/safe_choices.py", "--report",
+    proc = subprocess.run([sys.executable, "benchmarks/safe_choices", "--report",
                            "docs/validation/bench-safe-choices-h200.json"], cwd=REPO,
                           capture_output=True, text=True, check=True)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
