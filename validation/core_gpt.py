@@ -31,7 +31,6 @@ nothing, and its gradients say nothing about the race.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
 import os
 import subprocess
@@ -41,6 +40,7 @@ import time
 import comparison
 import core_gpt_case
 import workdir
+from side_by_side import run_side_by_side
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -137,20 +137,13 @@ class Driver:
         """Serialized runs are submitted first; each asynchronous run starts once its own
         serialized run is done (no wave barrier: the GPU stays busy)."""
         self.truth_runs = {}
-        out = []
-        with cf.ThreadPoolExecutor(max(1, self.a.workers)) as ex:
-            futures = []
-            for c in cases:
-                f = ex.submit(self.run, c)
-                futures.append(f)
-                if c.get("save_grads"):
-                    self.truth_runs[c["save_grads"]] = f
-            for f in cf.as_completed(futures):
-                r = f.result()
-                out.append(r)
-                print(short(r), flush=True)
-        order = {c["label"]: i for i, c in enumerate(cases)}
-        return sorted(out, key=lambda r: order[r["label"]])
+        return run_side_by_side(cases, self.run, max(1, self.a.workers), self.register,
+                                lambda r: print(short(r), flush=True), "label")
+
+    def register(self, c, f):
+        """A serialized run, which the asynchronous run of the same case waits for."""
+        if c.get("save_grads"):
+            self.truth_runs[c["save_grads"]] = f
 
 
 def outcome(r):

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import workdir
+from side_by_side import run_side_by_side
 
 from .launch import Paths, run_case
 from .plan import needs_te, truth_variant
@@ -181,24 +182,15 @@ class Driver:
                                            c["id"].replace("|", "_"), "capture.pt")
             else:
                 c["truth"], c["truth_of"] = truths.get(key), key
-        out = []
-        with cf.ThreadPoolExecutor(self.workers) as ex:
-            futures = []
-            for c in cases:
-                f = ex.submit(self.one, c)
-                futures.append(f)
-                if c.get("judged"):
-                    self.truths[c["id"]] = f
-                elif c.get("serialized") and c["group"] != "unit":
-                    self.truths[f"{c['config']}|{truth_variant(c)}"] = f
-            for f in cf.as_completed(futures):
-                r = f.result()
-                out.append(r)
-                log(short(r))
-                if progress is not None:
-                    progress(out)
-        order = {c["id"]: i for i, c in enumerate(cases)}
-        return sorted(out, key=lambda r: order[r["id"]])
+        return run_side_by_side(cases, self.one, self.workers, self.register,
+                                lambda r: log(short(r)), "id", progress)
+
+    def register(self, c: dict[str, Any], f: cf.Future) -> None:
+        """What later runs are compared with: a judged run's reference, a serialized run."""
+        if c.get("judged"):
+            self.truths[c["id"]] = f
+        elif c.get("serialized") and c["group"] != "unit":
+            self.truths[f"{c['config']}|{truth_variant(c)}"] = f
 
 
 def short(r: dict[str, Any]) -> str:
