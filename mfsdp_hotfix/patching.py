@@ -39,8 +39,7 @@ def wrap_attribute(owner: type, name: str, wrapper: Wrapper, fix_id: str,
     if not isinstance(original, types.FunctionType) and not (builtin and callable(original)):
         raise TypeError(f"{owner.__qualname__}.{name} is a {type(original).__name__}, not a "
                         "plain function: not the code shape this fix was written for")
-    if fix_of(original) == fix_id:
-        raise RuntimeError(f"{owner.__qualname__}.{name} already carries {fix_id}")
+    _refuse_twice(f"{owner.__qualname__}.{name}", original, fix_id)
 
     if builtin:
         def installed(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -51,18 +50,7 @@ def wrap_attribute(owner: type, name: str, wrapper: Wrapper, fix_id: str,
 
     functools.update_wrapper(installed, original)
     setattr(installed, MARK, fix_id)
-    setattr(owner, name, installed)
-
-    def undo() -> bool:
-        if owner.__dict__.get(name) is not installed:
-            log.warning("mfsdp_hotfix: %s.%s was replaced again by someone else after %s; "
-                        "leaving it in place (restore it yourself or remove the other patch "
-                        "first)", owner.__qualname__, name, fix_id)
-            return False
-        setattr(owner, name, original)
-        return True
-
-    return undo
+    return _replace_attribute(owner, name, installed, fix_id)
 
 
 def wrap_static_method(owner: type, name: str, wrapper: Wrapper, fix_id: str) -> Undo:
@@ -74,26 +62,14 @@ def wrap_static_method(owner: type, name: str, wrapper: Wrapper, fix_id: str) ->
     if not isinstance(original, staticmethod) or not isinstance(function, types.FunctionType):
         raise TypeError(f"{owner.__qualname__}.{name} is a {type(original).__name__}, not a "
                         "static method: not the code shape this fix was written for")
-    if fix_of(function) == fix_id:
-        raise RuntimeError(f"{owner.__qualname__}.{name} already carries {fix_id}")
+    _refuse_twice(f"{owner.__qualname__}.{name}", function, fix_id)
 
     @functools.wraps(function)
     def installed(*args: Any, **kwargs: Any) -> Any:
         return wrapper(function, None, args, kwargs)
 
     setattr(installed, MARK, fix_id)
-    replacement = staticmethod(installed)
-    setattr(owner, name, replacement)
-
-    def undo() -> bool:
-        if owner.__dict__.get(name) is not replacement:
-            log.warning("mfsdp_hotfix: %s.%s was replaced again by someone else after %s; "
-                        "leaving it in place", owner.__qualname__, name, fix_id)
-            return False
-        setattr(owner, name, original)
-        return True
-
-    return undo
+    return _replace_attribute(owner, name, staticmethod(installed), fix_id)
 
 
 def wrap_attributes(targets: list[tuple[type, str, Wrapper]], fix_id: str) -> Undo:
@@ -118,22 +94,44 @@ def wrap_function(module: types.ModuleType, name: str, wrapper: Wrapper, fix_id:
     """Wrap the function ``module.name`` (called as ``wrapper(original, None, args, kwargs)``)
     and return the undo; only callers that look the name up at call time see the wrapper."""
     original = getattr(module, name)
-    if fix_of(original) == fix_id:
-        raise RuntimeError(f"{module.__name__}.{name} already carries {fix_id}")
+    _refuse_twice(f"{module.__name__}.{name}", original, fix_id)
 
     @functools.wraps(original)
     def installed(*args: Any, **kwargs: Any) -> Any:
         return wrapper(original, None, args, kwargs)
 
     setattr(installed, MARK, fix_id)
-    setattr(module, name, installed)
+    return _replace(f"{module.__name__}.{name}", lambda: getattr(module, name, None),
+                    lambda value: setattr(module, name, value), original, installed, fix_id)
+
+
+def _refuse_twice(label: str, original: object, fix_id: str) -> None:
+    """A second install of one fix would wrap its own wrapper: the caller's idempotence check
+    failed, so say so instead of running the fix twice per call."""
+    if fix_of(original) == fix_id:
+        raise RuntimeError(f"{label} already carries {fix_id}")
+
+
+def _replace_attribute(owner: type, name: str, replacement: object, fix_id: str) -> Undo:
+    """Put ``replacement`` in the class's own dict, in place of what is there."""
+    return _replace(f"{owner.__qualname__}.{name}", lambda: owner.__dict__.get(name),
+                    lambda value: setattr(owner, name, value), owner.__dict__[name],
+                    replacement, fix_id)
+
+
+def _replace(label: str, current: Callable[[], object], put: Callable[[object], None],
+             original: object, replacement: object, fix_id: str) -> Undo:
+    """Put ``replacement`` in place; the undo puts ``original`` back only while ``replacement``
+    is still what is there (someone else's later patch is theirs to restore)."""
+    put(replacement)
 
     def undo() -> bool:
-        if getattr(module, name, None) is not installed:
-            log.warning("mfsdp_hotfix: %s.%s was replaced again by someone else after %s; "
-                        "leaving it in place", module.__name__, name, fix_id)
+        if current() is not replacement:
+            log.warning("mfsdp_hotfix: %s was replaced again by someone else after %s; leaving "
+                        "it in place (restore it yourself or remove the other patch first)",
+                        label, fix_id)
             return False
-        setattr(module, name, original)
+        put(original)
         return True
 
     return undo
