@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,13 +73,25 @@ def git_tree(ref: str) -> Path | None:
     """Folder holding ``megatron_fsdp`` as of ``ref`` (a branch of the clone, e.g. ``main`` or
     ``pull-request/6316``, or a full ref such as ``refs/pull/6317/head``); None when it is not
     cached and there is no clone with that ref."""
-    target = CACHE / "git" / ref.replace("/", "-")
+
+    def as_standalone(target: Path) -> None:
+        (target / _FSDP_SRC).rename(target / "megatron_fsdp")
+        shutil.rmtree(target / "megatron")  # empty now; it would shadow a real megatron package
+
+    return _cached_extract(ref, _FSDP_SRC, CACHE / "git", as_standalone)
+
+
+def _cached_extract(ref: str, folder: str, cache: Path,
+                    arrange: Callable[[Path], None] = lambda target: None) -> Path | None:
+    """``folder`` of the clone's ``ref``, extracted once into ``cache`` and laid out by
+    ``arrange``; a folder left half-made by an interrupted run is made again."""
+    target = cache / ref.replace("/", "-")
     if (target / ".complete").exists():
         return target
-    if not _extract(ref, _FSDP_SRC, target):
+    shutil.rmtree(target, ignore_errors=True)
+    if not _extract(ref, folder, target):
         return None
-    (target / _FSDP_SRC).rename(target / "megatron_fsdp")
-    shutil.rmtree(target / "megatron")  # empty now; it would shadow a real megatron package
+    arrange(target)
     (target / ".complete").touch()
     return target
 
@@ -110,27 +123,4 @@ def git_core_tree(ref: str) -> Path | None:
     """Folder holding megatron-core's ``megatron/core`` as of ``ref`` (a ``sys.path`` folder,
     its ``megatron`` a namespace package); None when it is not cached and there is no clone
     with that ref."""
-    target = CACHE / "git-core" / ref.replace("/", "-")
-    if (target / ".complete").exists():
-        return target
-    shutil.rmtree(target, ignore_errors=True)
-    if not _extract(ref, "megatron/core", target):
-        return None
-    (target / ".complete").touch()
-    return target
-    if MEGATRON_LM_GIT is None or not MEGATRON_LM_GIT.exists():
-        return None
-    git = ["git", "--git-dir", str(MEGATRON_LM_GIT)]
-    full = ref if ref.startswith("refs/") else f"refs/heads/{ref}"
-    found = subprocess.run(git + ["rev-parse", "--verify", "--quiet", full],
-                           capture_output=True, text=True)
-    if found.returncode != 0:
-        return None
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir(parents=True)
-    archive = subprocess.run(git + ["archive", full, "megatron/core"],
-                             capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
-    (target / ".commit").write_text(found.stdout.strip())
-    (target / ".complete").touch()
-    return target
+    return _cached_extract(ref, "megatron/core", CACHE / "git-core")
