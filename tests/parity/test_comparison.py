@@ -70,6 +70,15 @@ def test_the_hotfix_matches_ddp_on_the_real_runs_full_precision(tmp_path: Path) 
         assert 0 < max(row.relative or 0 for row in norms) < 1.3e-5  # 1.2e-5 measured (TE GPT)
 
 
+def test_as_shipped_is_a_mismatch_against_ddp(tmp_path: Path) -> None:
+    ddp = captured_run("core-0.19.2-ddp-reference", tmp_path)
+    got = compare(ddp, captured_run("core-0.19.2-zero1-shipped", tmp_path), "fp32")
+    first = got.first_difference
+    assert got.verdict is Verdict.MISMATCH and first is not None
+    assert (first.iteration, first.metric, first.source) == (1, GRAD_NORM, "capture")
+    assert first.relative == pytest.approx(1 - 1.1369562149047852 / 2.2396607398986816)
+
+
 def test_as_shipped_is_a_mismatch_from_the_printed_lines_alone() -> None:
     shipped = read_log((FIXTURES / "core-0.19.2-zero1-shipped.log").read_text())
     hotfix = read_log((FIXTURES / "core-0.19.2-zero1-hotfix.log").read_text())

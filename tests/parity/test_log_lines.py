@@ -16,7 +16,8 @@ from mfsdp_hotfix.parity.log_lines import GRAD_NORM, iteration_of, read_log
 FIXTURES = Path(__file__).parent / "fixtures"
 # Real excerpts whose run also recorded the full-precision values (the record's "reported"):
 # the print must be those values rounded as Megatron rounds them.
-WITH_REPORTED = ["core-0.19.2-zero1-hotfix", "core-0.18.2-zero1-hotfix"]
+WITH_REPORTED = ["core-0.19.2-zero1-hotfix", "core-0.19.2-zero1-shipped",
+                 "core-0.18.2-zero1-hotfix"]
 
 
 def fixture(name: str) -> str:
