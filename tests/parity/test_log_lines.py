@@ -42,6 +42,32 @@ def test_a_real_excerpt_reads_as_its_runs_full_precision_values_rounded(name: st
         assert (it.skipped, it.nan, it.source) == (0, 0, "log")
 
 
+def family_of(name: str) -> str:
+    """The format family a fixture's release prints (its name starts with the release)."""
+    return log_lines.FAMILY_SECONDS if name.startswith(("core-0.14", "core-0.15")) else \
+        log_lines.FAMILY_MICROS
+
+
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.log")), ids=lambda p: p.stem)
+def test_every_real_excerpt(path: Path) -> None:
+    """Every excerpt (those validation/parity_fixture_logs.py cuts included): consecutive
+    iterations with a loss, a grad norm and the counts, in its release's family; where the run's
+    capture came with it, the print is the captured grad norm rounded as Megatron rounds it."""
+    printed = read_log(path.read_text())
+    numbers = [it.number for it in printed.iterations]
+    assert len(numbers) >= 2 and numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+    assert printed.family == family_of(path.stem) and printed.restarts == 0
+    for it in printed.iterations:
+        assert "lm loss" in it.losses and it.grad_norm is not None
+        assert (it.skipped, it.nan, it.grad_norm_digits) == (0, 0, 3)
+    capture = path.with_suffix(".capture")
+    if capture.is_dir():
+        run = read_log(path.read_text(), str(capture))
+        assert run.hotfix == "not loaded"  # run with MFSDP_HOTFIX=0 and no import of it
+        for seen, got in zip(printed.iterations, run.iterations, strict=True):
+            assert got.source == "log+capture" and seen.grad_norm == float(f"{got.grad_norm:.3f}")
+
+
 def test_the_real_moe_excerpt_with_other_prints_between_its_lines() -> None:
     run = read_log(fixture("core-0.19.2-moe-bf16-shipped"))
     assert [(it.number, it.losses, it.grad_norm) for it in run.iterations] == [
