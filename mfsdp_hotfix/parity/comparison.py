@@ -87,13 +87,21 @@ class Comparison:
 
 
 def precision_of(argv: Sequence[str]) -> str:
-    """The precision Megatron-LM trains in, from its flags: fp8 (``--fp8-format``, which rides
-    on ``--bf16`` or ``--fp16``), fp4 (``--fp4-format``), bf16, fp16, else fp32."""
+    """The precision a run trains in, from its command line: Megatron-LM's flags (fp8 by
+    ``--fp8-format``, which rides on ``--bf16`` or ``--fp16``; fp4 by ``--fp4-format``) or a
+    Megatron-Bridge override ``...mixed_precision=<recipe>`` (``bf16_with_fp8_..._mixed`` is fp8);
+    else fp32."""
     flags = {arg.split("=", 1)[0] for arg in argv}
     for flag, precision in (("--fp4-format", "fp4"), ("--fp8-format", "fp8"),
                             ("--bf16", "bf16"), ("--fp16", "fp16")):
         if flag in flags:
             return precision
+    recipes = [arg.split("=", 1)[1].lower() for arg in argv
+               if "=" in arg and arg.split("=", 1)[0].lstrip("-+").endswith("mixed_precision")]
+    for recipe in recipes:
+        for precision in ("fp4", "fp8", "bf16", "fp16"):
+            if precision in recipe:
+                return precision
     return "fp32"
 
 

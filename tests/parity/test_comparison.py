@@ -225,6 +225,9 @@ def test_an_unknown_precision_cannot_be_compared() -> None:
     (["--bf16"], "bf16"), (["--fp16"], "fp16"),
     (["--bf16", "--fp8-format", "hybrid"], "fp8"), (["--bf16", "--fp8-format=e4m3"], "fp8"),
     (["--bf16", "--fp4-format", "e2m1"], "fp4"), (["--bf16-something"], "fp32"),
+    (["run_recipe.py", "mixed_precision=bf16_mixed"], "bf16"),
+    (["mixed_precision=bf16_with_fp8_delayed_scaling_mixed"], "fp8"),
+    (["model.mixed_precision=fp16_mixed"], "fp16"), (["train.precision_note=bf16"], "fp32"),
 ])
 def test_precision_of(argv: list[str], precision: str) -> None:
     assert precision_of(argv) == precision

@@ -124,14 +124,20 @@ def test_a_line_cut_by_another_print_is_joined_and_a_cut_field_left_out() -> Non
     assert broken.iterations[0].losses == {"lm loss": 8.654756}
 
 
-def test_a_restarted_run_keeps_its_last_print_of_each_iteration() -> None:
-    printed = [(1, 9.0, 2.0), (2, 8.0, 2.1), (1, 9.5, 2.5), (2, 8.5, 2.6), (3, 7.5, 2.7)]
-    lines = [megatron_line(n, {"lm loss": loss}, norm) for n, loss, norm in printed]
-    text = "\n".join(lines[:2] + ["restarting"] + lines[2:])
-    run = read_log(text)
+@pytest.mark.parametrize("printed, kept", [
+    # from scratch, then further
+    ([(1, 9.0), (2, 8.0), (1, 9.5), (2, 8.5), (3, 7.5)], [(1, 9.5), (2, 8.5), (3, 7.5)]),
+    # from scratch, and stopped earlier than the first attempt: nothing of the first is kept
+    ([(1, 9.0), (2, 8.0), (3, 7.0), (1, 9.5), (2, 8.5)], [(1, 9.5), (2, 8.5)]),
+    # from a checkpoint saved after iteration 2
+    ([(1, 9.0), (2, 8.0), (3, 7.0), (3, 7.2), (4, 6.9)], [(1, 9.0), (2, 8.0), (3, 7.2), (4, 6.9)]),
+])
+def test_a_restarted_run_is_the_run_that_went_on(printed: list[tuple[int, float]],
+                                                  kept: list[tuple[int, float]]) -> None:
+    lines = [megatron_line(n, {"lm loss": loss}, 2.0) for n, loss in printed]
+    run = read_log("\n".join(lines[:2] + ["restarting"] + lines[2:]))
     assert run.restarts == 1
-    assert [(it.number, it.losses["lm loss"]) for it in run.iterations] == [
-        (1, 9.5), (2, 8.5), (3, 7.5)]
+    assert [(it.number, it.losses["lm loss"]) for it in run.iterations] == kept
 
 
 def test_not_a_number_and_infinity() -> None:
