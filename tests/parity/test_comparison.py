@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from training_lines import megatron_line
 
 from mfsdp_hotfix.parity.comparison import (
@@ -112,6 +114,13 @@ def test_every_floor_just_under_and_just_over(precision: str, first: bool) -> No
     over = compare(run_of(*ref), cand(1 + floor * 1.01), precision)
     assert over.verdict is Verdict.MISMATCH and over.first_difference is not None
     assert over.first_difference.floor == floor and over.first_difference.iteration == 1
+
+
+def test_the_gpu_validation_judges_by_the_same_fp32_floor() -> None:
+    sys.path.insert(0, str(REPO / "validation"))
+    import mlm_verdict
+
+    assert mlm_verdict.FLOAT_NOISE == FLOORS["fp32"].first == FLOAT_NOISE
 
 
 def test_the_floors_sit_well_below_the_smallest_defect() -> None:
