@@ -123,6 +123,20 @@ def test_the_gpu_validation_judges_by_the_same_fp32_floor() -> None:
     assert mlm_verdict.FLOAT_NOISE == FLOORS["fp32"].first == FLOAT_NOISE
 
 
+def test_the_fp32_floor_against_its_measurement() -> None:
+    """The fp32 floor's record: every run judged correct there (Megatron-FSDP with the hotfix,
+    or without a defect, against Megatron's DDP or its unfused self) lies 4× below the first
+    iteration's floor; every run judged wrong lies above the later iterations' floor."""
+    floor = FLOORS["fp32"]
+    assert floor.measured is not None
+    rows = json.loads((REPO / floor.measured).read_text())["rows"]
+    right = [r["max_rel"] for r in rows if r["outcome"] in ("exact", "float noise")
+             and r["max_rel"] is not None]
+    wrong = [r["max_rel"] for r in rows if r["outcome"] == "wrong"]
+    assert len(right) > 40 and len(wrong) >= 10
+    assert max(right) * 4 < floor.first and min(wrong) > floor.later
+
+
 def test_the_floors_sit_well_below_the_smallest_defect() -> None:
     for floor in FLOORS.values():
         assert floor.first <= 0.016 / 3 and floor.first <= floor.later
