@@ -200,6 +200,22 @@ def test_an_iteration_only_the_capture_has(tmp_path: Path) -> None:
         (1, {"lm loss": 9.1}, 1.235, "log"), (2, {}, 1.23456789, "capture")]
 
 
+def test_a_capture_that_is_not_what_was_printed_is_not_trusted(tmp_path: Path) -> None:
+    write_capture(tmp_path, 0, [
+        {"kind": "iteration", "iteration": 1, "grad_norm": 2.2396607},
+        {"kind": "iteration", "iteration": 2, "grad_norm": 2.3375},  # printed 2.336
+        {"kind": "iteration", "iteration": 3, "grad_norm": float("nan")}])
+    lines = [megatron_line(1, {"lm loss": 9.1}, 2.24), megatron_line(2, {"lm loss": 9.0}, 2.336),
+             megatron_line(3, {"lm loss": 8.9}, float("nan"), nan=1)]
+    run = read_log("\n".join(lines), str(tmp_path))
+    assert [(it.grad_norm, it.source) for it in run.iterations][:2] == [
+        (2.2396607, "log+capture"), (2.336, "log")]
+    assert math.isnan(run.iterations[2].grad_norm or 0.0)
+    assert run.iterations[2].source == "log+capture"
+    assert run.capture_note == ("the capture's grad norm is not the printed one at iterations 2: "
+                                "the printed values are used there")
+
+
 def test_a_missing_capture_is_said(tmp_path: Path) -> None:
     run = read_log(megatron_line(1, {"lm loss": 9.1}, 1.235), str(tmp_path))
     assert run.capture_note == f"no capture in {tmp_path}" and run.iterations[0].source == "log"
