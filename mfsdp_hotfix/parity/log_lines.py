@@ -27,6 +27,8 @@ SKIPPED = "number of skipped iterations"
 NAN = "number of nan iterations"
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+# what launchers put before each line: torchrun's ``[rank0]:`` / ``[default0]:``, srun's ``0: ``
+_LAUNCHER_PREFIX = re.compile(r"^\s*(?:\[[A-Za-z]*\d+\]:|\d+:)\s?")
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 _FIELD = re.compile(r"\s*([^|:]+?)\s*:\s*([^|]*?)\s*\|")
 _NUMBER = re.compile(r"[-+]?(?:(\d+)(?:\.(\d*))?(?:[eE]([-+]?\d+))?|nan|inf(?:inity)?)",
@@ -110,7 +112,7 @@ def _joined_iteration_lines(lines: list[str]) -> Iterable[tuple[str, str]]:
                 if _ITERATION.search(tail):
                     break
                 if NAN in tail:
-                    body += tail
+                    body += _LAUNCHER_PREFIX.sub("", tail, count=1)
                     break
         yield line[:found.start()], body
 

@@ -117,6 +117,11 @@ def test_a_line_cut_by_another_print_is_joined_and_a_cut_field_left_out() -> Non
     joined = read_log(line[:cut] + "\n[rank1]: a warning\n" + line[cut:] + "\n")
     assert joined.iterations[0].losses == {"lm loss": 8.654756}
     assert joined.iterations[0].grad_norm == 2.613 and joined.iterations[0].nan == 0
+    # the tail under a launcher's prefix
+    at_norm = line.index(" grad norm")
+    for prefix in ("[rank0]:", "[default0]:", "0: "):
+        tail = read_log(line[:at_norm] + f"\n{prefix}{line[at_norm:]}\n").iterations[0]
+        assert tail.grad_norm == 2.613 and tail.nan == 0
     # cut inside the grad norm's value: that value is not read (never a wrong number)
     middle = line.index("grad norm: ") + len("grad norm: 2.6")
     broken = read_log(line[:middle] + "[rank1]: warning\n" + line[middle:] + "\n")
