@@ -1100,8 +1100,8 @@ claim("docs/CLI.md", "| {}: the reader of the output went away", EXITS,
 claim("docs/CLI.md", "; {}: stopped by Ctrl-C (SIGINT); {}: stopped by SIGTERM", EXITS,
       lambda e: (e["INTERRUPTED"], e["TERMINATED"]))
 claim("docs/CLI.md", "; {}: stopped by SIGHUP", EXITS, lambda e: (e["HUNG_UP"],))
-claim("docs/CLI.md", "gives COMMAND {:g} s to end after SIGTERM", "code mfsdp_hotfix/commands/audit.py",
-      lambda audit: (audit["STOP_GRACE_S"],))
+claim("docs/CLI.md", "gives COMMAND {:g} s to end after SIGTERM",
+      "code mfsdp_hotfix/commands/audit.py", lambda audit: (audit["STOP_GRACE_S"],))
 claim("docs/CLI.md", "{}: COMMAND cannot be started", EXITS,  # run's and audit's
       lambda e: (e["CANNOT_START"],))
 claim("docs/CLI.md", "| {}: holds no Megatron-FSDP copy", EXITS,
