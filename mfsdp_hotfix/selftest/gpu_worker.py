@@ -81,14 +81,13 @@ def compared(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> dict[str,
                 "not_exact_because"]}
 
 
-def run_rank(run: GpuRun, out_dir: str, report: dict[str, Any], started: float) -> None:
-    """Prepare, take the run's turn on the GPU, then keep or compare the gradients (``started``:
-    when this process began, for the time it took to prepare)."""
+def run_rank(run: GpuRun, out_dir: str, report: dict[str, Any]) -> None:
+    """Prepare, take the run's turn on the GPU, then keep or compare the gradients."""
     import torch
 
     rank = report["rank"]
     prepared = prepare(run, report)
-    report["prepare_s"] = time.perf_counter() - started
+    report["prepare_s"] = process_age_s()
     if not gpu_turns.take_turn(out_dir, run, rank):
         raise TimeoutError(f"no turn on the GPU within {run.timeout_s:.0f}s")
     turn = time.perf_counter()
@@ -104,6 +103,14 @@ def run_rank(run: GpuRun, out_dir: str, report: dict[str, Any], started: float) 
                                                    "ended")], run.timeout_s) and truth.exists():
         report.update(compared(grads, torch.load(truth)))
     report["crashed"] = False
+
+
+def process_age_s() -> float:
+    """Seconds since this process began (``/proc``): the time to prepare includes the start of
+    the interpreter and the imports before ``main``."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
 
 
 def prepare(run: GpuRun, report: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -189,7 +196,7 @@ def main(argv: list[str]) -> int:
     report: dict[str, Any] = {"rank": rank, "run": run.name, "crashed": True}
     started = time.perf_counter()
     try:
-        run_rank(run, out_dir, report, started)
+        run_rank(run, out_dir, report)
     except BaseException as exc:  # a crash of the release is the run's outcome
         report["exception"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()[-4000:]

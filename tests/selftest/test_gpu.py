@@ -533,6 +533,34 @@ def test_an_asynchronous_run_whose_truth_never_comes_does_not_wait_for_it(
     assert results["shipped"].outcome() == "no truth" and results["hotfix"].outcome() == "no truth"
 
 
+def test_the_real_worker_rehearsed_on_the_cpu(fsdp_release, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real worker (``cpu_rehearsal_worker``: the stand-in for torch.cuda, the CPU for the
+    GPU, no race possible) through the real launcher, on a small model: all four prepare
+    together, the serialized pair has the GPU first, then each asynchronous run alone; the
+    gradients are kept and compared; the audit counts the stand-in's slot reuses, unordered as
+    shipped and none with the hotfix; PASS; the runs' folder is gone."""
+    import io
+    import tempfile
+
+    monkeypatch.setattr(gpu, "WORKER", "cpu_rehearsal_worker")
+    monkeypatch.setenv("PYTHONPATH", f"{Path(__file__).parent}:{REPO}")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    plan = gpu.build_plan(1, hidden=64, tokens=64, timeout_s=240.0)
+    out, talk = io.StringIO(), io.StringIO()
+    results = gpu.run_gpu_selftest(plan, path=str(fsdp_release("0.6.1")), out=out, progress=talk)
+    turns = [line.split(": on the GPU")[0].strip().removeprefix("selftest:").strip()
+             for line in talk.getvalue().splitlines() if ": on the GPU," in line]
+    assert turns[0] == "shipped serialized and hotfix serialized", talk.getvalue()
+    assert sorted(turns[1:]) == ["hotfix", "shipped"]
+    shipped, hotfix = results["shipped"], results["hotfix"]
+    assert hotfix.outcome() == "exact" and hotfix.audit_reuses and hotfix.audit_unordered == 0
+    assert shipped.outcome() == "exact" and shipped.audit_unordered  # the stand-in's clocks
+    assert all(r.prepare_s and r.turn_s for r in results.values())
+    assert out.getvalue().splitlines()[-1].startswith("selftest: PASS: "), out.getvalue()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_launch_kills_a_run_past_its_timeout(stub_worker: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     import io
