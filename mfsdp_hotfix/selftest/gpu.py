@@ -102,7 +102,7 @@ def command(run: GpuRun, run_file: str, out_dir: str, python: str = sys.executab
 def environment(run: GpuRun, out_dir: str, path: str | None = None) -> dict[str, str]:
     """The workers' environment: the release first on the path, ``MFSDP_HOTFIX=0`` for the
     shipped variant, ``CUDA_LAUNCH_BLOCKING=1`` exactly for the serialized runs, the audit on for
-    the asynchronous ones."""
+    the asynchronous ones, temporary files in ``out_dir``."""
     env = worker_env(CaseSpec(path=path, hotfix="off" if run.variant == "shipped" else "on"))
     env.pop("CUDA_LAUNCH_BLOCKING", None)
     env.pop("MFSDP_HOTFIX_AUDIT", None)
@@ -111,6 +111,9 @@ def environment(run: GpuRun, out_dir: str, path: str | None = None) -> dict[str,
     else:
         env["MFSDP_HOTFIX_AUDIT"] = audit_prefix(out_dir, run)
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS with several streams
+    # What the runs leave in a temporary folder (torchrun's torchelastic_* when it is killed)
+    # goes with the runs' own folder.
+    env["TMPDIR"] = out_dir
     if run.fake:
         # torch's FakeStore has no set/get: nothing to exchange between ranks in one process
         env["MFSDP_HOTFIX_CROSS_RANK_CHECK"] = "off"

@@ -140,6 +140,7 @@ def test_environment_of_each_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env["shipped"]["MFSDP_HOTFIX"] == "0" and "MFSDP_HOTFIX" not in env["hotfix"]
     assert env["hotfix"]["PYTHONPATH"].split(":")[0] == "/release"
     assert env["hotfix"]["MFSDP_HOTFIX_CROSS_RANK_CHECK"] == "off"  # FakeStore has no get/set
+    assert env["hotfix"]["TMPDIR"] == "/out"  # removed with the runs' folder
     nccl = gpu.environment(gpu.build_plan(2).runs[3], "/out")
     assert "MFSDP_HOTFIX_CROSS_RANK_CHECK" not in nccl
 

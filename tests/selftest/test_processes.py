@@ -75,13 +75,14 @@ class Command:
     """A command started as a terminal would start a job: in a process group of its own, with
     the mark and a TMPDIR of its own in its environment."""
 
-    def __init__(self, argv: list[str], tmp: Path, shell: bool = False) -> None:
+    def __init__(self, argv: list[str], tmp: Path, shell: bool = False,
+                 path: tuple[Path, ...] = ()) -> None:
         self.mark = uuid.uuid4().hex
         self.tmpdir = tmp / "tmp"
         self.tmpdir.mkdir()
         env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
-        env.update({MARK: self.mark, "TMPDIR": str(self.tmpdir), "PYTHONPATH": str(REPO),
-                    "PYTHONWARNINGS": "ignore"})
+        env.update({MARK: self.mark, "TMPDIR": str(self.tmpdir), "PYTHONWARNINGS": "ignore",
+                    "PYTHONPATH": os.pathsep.join(map(str, (*path, REPO)))})
         self.proc = subprocess.Popen(["bash", "-o", "pipefail", "-c", argv[0]] if shell else argv,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
@@ -205,8 +206,8 @@ def test_selftest_into_a_closed_pipe(selftest) -> None:
     command = selftest("{} | head -1")
     wait_for(lambda: workers_running(command), command.proc)
     status, out, _ = command.finish()
-    assert status == exits.BROKEN_PIPE and out.startswith("selftest: running without hotfix")
     assert_nothing_left(command)
+    assert status == exits.BROKEN_PIPE and out.startswith("selftest: running without hotfix")
 
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, exits.INTERRUPTED),
@@ -220,10 +221,10 @@ def test_selftest_stopped_by_a_signal(selftest, signum: int, status: int) -> Non
     else:
         os.kill(command.proc.pid, signum)
     code, out, err = command.finish(limit_s=30)  # not on to the next phase
+    assert_nothing_left(command)
     assert code == status, (out, err)
     assert f"mfsdp-hotfix: stopped by {signal.Signals(signum).name}" in err
     assert "selftest: PASS" not in out and "selftest: FAIL" not in out
-    assert_nothing_left(command)
 
 
 def test_selftest_under_timeout(selftest) -> None:
@@ -234,8 +235,8 @@ def test_selftest_under_timeout(selftest) -> None:
         seen = seen or workers_running(command)
         time.sleep(0.2)
     status, _, _ = command.finish()
-    assert seen and status == 124  # timeout's own status: the time ran out
     assert_nothing_left(command)
+    assert seen and status == 124  # timeout's own status: the time ran out
 
 
 # ---- the audit of a command whose process starts another in a session of its own
@@ -268,14 +269,42 @@ def test_audit_stopped_by_a_signal(audited, signum: int, status: int) -> None:
     else:
         os.kill(command.proc.pid, signum)
     code, out, err = command.finish(limit_s=60)
+    assert_nothing_left(command)
     assert code == status, (out, err)
     assert out.splitlines()[-1].startswith("audit: NO DATA: ")  # what was written so far
-    assert_nothing_left(command)
 
 
 def test_audit_under_timeout(audited) -> None:
     start, ready = audited
     command = start("timeout 8 {}")
     status, out, err = command.finish(limit_s=60)
-    assert ready.exists() and status == 124, (out, err)
     assert_nothing_left(command)
+    assert ready.exists() and status == 124, (out, err)
+
+
+# ---- the GPU route's launcher (its workers replaced by ones that hang: there is no GPU here)
+
+GPU_DRIVER = textwrap.dedent("""
+    import sys
+    from mfsdp_hotfix.selftest import gpu
+    gpu.WORKER = "hanging_worker"
+    gpu.run_gpu_selftest(gpu.build_plan(int(sys.argv[1])))
+""")
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_the_gpu_runs_stopped_by_sigterm(tmp_path: Path, gpus: int) -> None:
+    """``selftest --gpu`` under SIGTERM: its runs (one process each, or torchrun with ranks in
+    sessions of their own) and their folder are gone."""
+    (tmp_path / "hanging_worker.py").write_text("import time\ntime.sleep(300)\n")
+    command = Command([sys.executable, "-c", GPU_DRIVER, str(gpus)], tmp_path, path=(tmp_path,))
+    try:
+        workers = 2 * (1 if gpus == 1 else 1 + gpus)  # two runs at least; torchrun and ranks
+        wait_for(lambda: sum("hanging_worker" in line
+                             for line in marked(command.mark).values()) >= workers, command.proc)
+        os.kill(command.proc.pid, signal.SIGTERM)
+        status, _, err = command.finish(limit_s=60)
+        assert_nothing_left(command)
+        assert status == 1 and "Stopped: stopped by SIGTERM" in err, err  # no cli.main here
+    finally:
+        command.kill_leftovers()
