@@ -41,6 +41,9 @@ TOKEN = "MFSDP_SUPERVISED_BY"
 # Turned into :class:`Stopped` inside a block (SIGINT is Python's KeyboardInterrupt already).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 _TERMINATING = (signal.SIGINT, *STOP_SIGNALS)
+# How long the end of a block waits for its killed processes to go (one in an uninterruptible
+# kernel call goes only when the call returns); signals are held back meanwhile.
+WAIT_S = 30.0
 
 
 class Stopped(BaseException):
@@ -122,7 +125,10 @@ class Children:
         return folder
 
     def end(self, proc: subprocess.Popen[Any]) -> None:
-        """SIGKILL ``proc`` and everything under it now (a run past its time)."""
+        """SIGKILL ``proc`` and everything under it now (a run past its time). Once reaped, its
+        pid may be another process's: what it left is found by the token instead."""
+        if proc.returncode is not None:
+            return
         kill_tree(proc.pid)
         if proc.pid in self.sessions:  # its group outlives it while a member lives
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -147,8 +153,13 @@ class Children:
                     os.kill(pid, signal.SIGKILL)
             if not left:
                 break
+        deadline = time.monotonic() + WAIT_S
         for proc in self.procs:
-            proc.wait()
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # in the kernel (a GPU driver call): say so
+                print(f"mfsdp-hotfix: process {proc.pid} did not end {WAIT_S:.0f} s after "
+                      "SIGKILL; end it by hand", file=sys.stderr)
         for folder in self.folders:
             shutil.rmtree(folder, ignore_errors=True)
             if os.path.exists(folder):
