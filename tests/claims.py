@@ -299,7 +299,8 @@ def exit_statuses() -> dict[str, int]:
     audit = code_constants("audit/verdicts.py")
     out = {name: exits[name] for name in ("USAGE_ERROR", "CHECK_OK", "CHECK_UNFIXED",
                                           "SELFTEST_PASS", "SELFTEST_FAIL", "SELFTEST_CANNOT_RUN",
-                                          "BROKEN_PIPE", "CANNOT_START")}
+                                          "BROKEN_PIPE", "CANNOT_START", "INTERRUPTED",
+                                          "TERMINATED", "HUNG_UP")}
     out.update({name: tree[name] for name in ("NOT_A_FOLDER", "NOTHING_FOUND")})
     out.update({verdict: code for verdict, (_, _, code) in audit["VERDICTS"].items()})
     out["SIGNALLED"] = audit["SIGNALLED"]
@@ -1096,6 +1097,11 @@ claim("docs/CLI.md", "## Exit statuses | command | {} | {} | {} | other |", EXIT
                  only((e["USAGE_ERROR"], e["SELFTEST_CANNOT_RUN"]))))
 claim("docs/CLI.md", "| {}: the reader of the output went away", EXITS,
       lambda e: (e["BROKEN_PIPE"],))
+claim("docs/CLI.md", "; {}: stopped by Ctrl-C (SIGINT); {}: stopped by SIGTERM", EXITS,
+      lambda e: (e["INTERRUPTED"], e["TERMINATED"]))
+claim("docs/CLI.md", "; {}: stopped by SIGHUP", EXITS, lambda e: (e["HUNG_UP"],))
+claim("docs/CLI.md", "gives COMMAND {:g} s to end after SIGTERM",
+      "code mfsdp_hotfix/commands/audit.py", lambda audit: (audit["STOP_GRACE_S"],))
 claim("docs/CLI.md", "{}: COMMAND cannot be started", EXITS,  # run's and audit's
       lambda e: (e["CANNOT_START"],))
 claim("docs/CLI.md", "| {}: holds no Megatron-FSDP copy", EXITS,
