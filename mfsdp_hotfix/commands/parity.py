@@ -17,8 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .audit import make_folders
-from .exits import (CANNOT_START, PARITY_CANNOT_COMPARE, PARITY_MATCH, PARITY_MISMATCH,
-                    USAGE_ERROR)
+from .exits import CANNOT_START, PARITY_CANNOT_COMPARE, PARITY_MATCH, PARITY_MISMATCH, USAGE_ERROR
 from .run import add_command_argument, command_after_dashes
 
 NAME = "parity"
@@ -62,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the runs' command lines and what was changed; run nothing")
     parser.add_argument("--json", action="store_true",
-                        help="one JSON object on stdout (progress goes to stderr)")
+                        help="the verdict as one JSON object on stdout")
     parser.add_argument("--compare", nargs=2, metavar=("REFERENCE_LOG", "CANDIDATE_LOG"),
                         help="compare two finished logs instead of running anything")
     add_command_argument(parser)
@@ -97,6 +96,7 @@ def _refuse(message: str) -> int:
 
 def _check(args: argparse.Namespace, command: list[str]) -> int:
     from ..parity.job_command import Refused, split_command
+    from ..parity.outputs import inside_user_data
     from ..parity.plan import make_plan
 
     out = os.path.abspath(args.out)
@@ -106,32 +106,30 @@ def _check(args: argparse.Namespace, command: list[str]) -> int:
                          args.shrink, os.environ)
     except Refused as exc:
         return _refuse(str(exc))
-    say = _sayer(args.json)
-    _say_plan(plan, say)
     if args.dry_run:
+        _say_plan(plan, print)
         return 0
-    problem = _out_problem(args.out, out, args.overwrite)
+    problem = inside_user_data(out, job.args) or _out_problem(args.out, out, args.overwrite)
     if problem:
         return _refuse(f"--out {args.out}: {problem}")
+    _say_plan(plan, say)
     created = make_folders(out)
     if created:
         say(f"created the folder {created[-1]} for the runs")
     for name in RUN_FOLDERS:
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)  # --overwrite (else absent)
-    return _run_plan(plan, args, say)
+    return _run_plan(plan, args)
 
 
-def _sayer(to_stderr: bool) -> Callable[[str], None]:
-    """Progress lines: on stdout, or on stderr with --json. A reader that went away raises
-    BrokenPipeError, which ends the runs (``cli.main`` then exits 141)."""
-    stream = sys.stderr if to_stderr else sys.stdout
-
-    def say(line: str) -> None:
-        print(f"parity: {line}", file=stream, flush=True)
-    return say
+def say(line: str) -> None:
+    """A progress line, on stderr: stdout holds the verdict alone (its first line is the
+    answer) or the JSON. A reader that went away (``2>&1 | head``) raises BrokenPipeError,
+    which ends the runs (``cli.main`` then exits 141)."""
+    print(f"parity: {line}", file=sys.stderr, flush=True)
 
 
 def _say_plan(plan: Any, say: Callable[[str], None]) -> None:
+    """The runs, what was changed for all of them and for the reference, each command line."""
     from ..parity.plan import describe
 
     say(f"{len(plan.runs)} runs, iterations {plan.first} to {plan.last}, one after the other")
@@ -143,7 +141,7 @@ def _say_plan(plan: Any, say: Callable[[str], None]) -> None:
         say(f"  {each.name} ({each.title}): {describe(each)}")
 
 
-def _run_plan(plan: Any, args: argparse.Namespace, say: Callable[[str], None]) -> int:
+def _run_plan(plan: Any, args: argparse.Namespace) -> int:
     from ..parity.launch import Stopped, stop_on_signals
     from ..parity.launch import run as launch
     from ..parity.plan import describe

@@ -126,3 +126,17 @@ def written_paths(args: Sequence[str]) -> list[str]:
     """The output paths ``args`` still names (for the check that each lies under ``--out``)."""
     return [value for flag, rule in OUTPUT_FLAGS.items() if rule.into != DROP
             for value in [flags.value_of(args, flag)] if value is not None]
+
+
+# Folders of the user's that ``--out`` must not lie in: what the job reads or writes itself.
+USER_FOLDERS = ("--save", "--load", "--tensorboard-dir", "--data-cache-path", "--wandb-save-dir")
+
+
+def inside_user_data(out: str, args: Sequence[str]) -> str | None:
+    """Why ``out`` must not take the runs (it lies in a folder of the user's job), or None."""
+    out = os.path.realpath(out)
+    for flag in USER_FOLDERS:
+        given = flags.value_of(args, flag)
+        if given and (out + os.sep).startswith(os.path.realpath(given) + os.sep):
+            return f"lies in the job's {flag} folder {given}: give a folder of its own"
+    return None

@@ -167,7 +167,8 @@ def make_plan(job: JobCommand, out: str, iters: int, with_shipped: bool,
     _refuse_unloadable(job.args)
     reference, reference_notes = rewrite.rewrite(args, reference=True)
     candidate, candidate_notes = rewrite.rewrite(args, reference=False)
-    runs, output_notes = [], []
+    runs: list[Run] = []
+    output_notes: list[str] = []
     for name, run_args, hotfix in ((CANDIDATE, candidate, None), (REFERENCE, reference, "0"),
                                    (SHIPPED, candidate, "0")):
         if name == SHIPPED and not with_shipped:

@@ -14,7 +14,6 @@ import re
 import subprocess
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
-from pathlib import Path
 
 import releases
 

@@ -12,9 +12,10 @@ import pytest
 from parity.megatron_arguments import MANY as RELEASE_MANY
 from parity.megatron_arguments import OLDER, all_release_flags
 
-from mfsdp_hotfix.parity import flags, outputs, plan, rewrite
+from mfsdp_hotfix.parity import flags, outputs, plan
 from mfsdp_hotfix.parity.flags import MANY
-from mfsdp_hotfix.parity.rewrite import EVERY_RUN, FSDP_ONLY, KEPT, REFERENCE_ADDS, rewrite as rw
+from mfsdp_hotfix.parity.rewrite import EVERY_RUN, FSDP_ONLY, KEPT, REFERENCE_ADDS
+from mfsdp_hotfix.parity.rewrite import rewrite as rw
 
 # A flag is Megatron-FSDP's (or FSDP2's) when its name or its help says so.
 FSDP_WORDS = re.compile(r"fsdp|hsdp|sharding-strategy", re.I)

@@ -15,13 +15,14 @@ import time
 
 
 def value(flag, default=None):
-    args = sys.argv[1:]
+    """The flag's last value, as argparse keeps."""
+    args, found = sys.argv[1:], default
     for index, word in enumerate(args):
         if word == flag and index + 1 < len(args):
-            return args[index + 1]
-        if word.startswith(flag + "="):
-            return word.split("=", 1)[1]
-    return default
+            found = args[index + 1]
+        elif word.startswith(flag + "="):
+            found = word.split("=", 1)[1]
+    return found
 
 
 def write(folder, name, text):
