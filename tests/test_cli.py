@@ -432,6 +432,8 @@ def test_one_table_lists_every_exit_status_of_every_command() -> None:
         "selftest": {exits.SELFTEST_PASS, exits.SELFTEST_FAIL, exits.SELFTEST_CANNOT_RUN},
         "run": {exits.CANNOT_START},
         "audit": {0, exits.CANNOT_START, *(status for _, _, status in VERDICTS.values())},
+        "parity": {exits.PARITY_MATCH, exits.PARITY_MISMATCH, exits.PARITY_CANNOT_COMPARE,
+                   exits.CANNOT_START},
     }
     assert documented["any"] >= {exits.USAGE_ERROR, exits.BROKEN_PIPE}
     for command, statuses in code.items():

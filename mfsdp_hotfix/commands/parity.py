@@ -12,10 +12,12 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from ..audit.verdicts import SIGNALLED
 from ..parity.floors import FLOORS
 from .audit import make_folders
 from .exits import CANNOT_START, PARITY_CANNOT_COMPARE, PARITY_MATCH, PARITY_MISMATCH, USAGE_ERROR
@@ -168,9 +170,9 @@ def _run_plan(plan: Any, args: argparse.Namespace) -> int:
                     return CANNOT_START
                 say(_ended(each.name, outcomes[each.name]))
         except KeyboardInterrupt:
-            return _stopped("SIGINT (Ctrl-C)", 130, args.out)
+            return _stopped("SIGINT (Ctrl-C)", SIGNALLED + signal.SIGINT, args.out)
         except Stopped as exc:
-            return _stopped(str(exc), 128 + exc.signum, args.out)
+            return _stopped(str(exc), SIGNALLED + exc.signum, args.out)
     return _verdict(plan, outcomes, args)
 
 
