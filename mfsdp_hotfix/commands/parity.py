@@ -21,6 +21,7 @@ from ..audit.verdicts import SIGNALLED
 from ..parity.floors import FLOORS
 from .audit import make_folders
 from .exits import CANNOT_START, PARITY_CANNOT_COMPARE, PARITY_MATCH, PARITY_MISMATCH, USAGE_ERROR
+from .output import reader_gone
 from .run import add_command_argument, command_after_dashes
 
 NAME = "parity"
@@ -48,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=_positive, default=DEFAULT_ITERS, metavar="N",
                         help=f"iterations per run (default {DEFAULT_ITERS}); with --load, past "
                              "the checkpoint's iteration")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+    parser.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="S",
                         help=f"seconds each run may take before it counts as hung and is "
                              f"ended (default {DEFAULT_TIMEOUT:.0f})")
     parser.add_argument("--with-shipped", action="store_true",
@@ -71,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --compare: the precision the logs were trained in (read "
                              "from Megatron-LM's argument dump in the logs when not given)")
     add_command_argument(parser)
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -163,7 +171,7 @@ def _run_plan(plan: Any, args: argparse.Namespace) -> int:
                 try:
                     outcomes[each.name] = launch(each.command, dict(os.environ, **each.env),
                                                  each.log, args.timeout, say, each.name,
-                                                 plan.last)
+                                                 plan.last, reader_gone)
                 except OSError as exc:
                     print(f"mfsdp-hotfix parity: cannot start {each.command[0]!r}: {exc}",
                           file=sys.stderr)

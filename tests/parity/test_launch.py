@@ -46,6 +46,13 @@ def pids_of(path: Path) -> list[int]:
     raise AssertionError("the launcher wrote no pids")
 
 
+@pytest.fixture(autouse=True)
+def short_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank left behind holds the output open: the run ends GRACE_SECONDS after its
+    launcher (shortened here)."""
+    monkeypatch.setattr(launch, "GRACE_SECONDS", 1.0)
+
+
 def start(tmp_path: Path, how: str, timeout: float = 60.0,
           say: object = None) -> tuple[launch.Outcome, list[int], list[str]]:
     said: list[str] = []
