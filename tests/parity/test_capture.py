@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,14 +107,14 @@ LOOP = LOOP.replace("nan", "float('nan')")
 
 
 def run_loop(tmp_path: Path, signature: str, *before: Path | str, after: tuple[Path, ...] = (),
-             env: dict[str, str] | None = None,
-             module: str | None = None) -> tuple[str, str, list[dict[str, object]]]:
+             env: dict[str, str] | None = None, module: str | None = None,
+             prelude: str = "") -> tuple[str, str, list[dict[str, object]]]:
     megatron = stand_in_megatron(tmp_path / "stand_in", signature, module)
     out = tmp_path / "capture"
     out.mkdir()
     added = capture.capture_environment(str(out), {})
     path = [*before, *added["PYTHONPATH"].split(os.pathsep), *after, megatron]
-    result = run_python(LOOP, *path, env={capture.VARIABLE: added[capture.VARIABLE],
+    result = run_python(prelude + LOOP, *path, env={capture.VARIABLE: added[capture.VARIABLE],
                                           "MFSDP_HOTFIX": "0", **(env or {})})
     assert result.returncode == 0, result.stderr
     assert "the run went on" in result.stdout
@@ -172,10 +174,44 @@ def test_under_mfsdp_hotfix_runs_sitecustomize(tmp_path: Path, order: str, switc
     assert len(iterations(records)) == 3
 
 
-def test_a_rank_that_does_not_print_writes_nothing(tmp_path: Path) -> None:
+def test_only_the_last_rank_of_a_real_group_records(tmp_path: Path) -> None:
+    """Two gloo ranks (env://): the last one records, as it is the one Megatron prints from."""
+    megatron = stand_in_megatron(tmp_path / "stand_in", real_signature("0.19.2"))
+    out = tmp_path / "capture"
+    out.mkdir()
+    added = capture.capture_environment(str(out), {})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
+    env.update(added, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
+               WORLD_SIZE="2", MFSDP_HOTFIX="0")
+    env["PYTHONPATH"] += os.pathsep + os.pathsep.join([str(megatron), str(REPO)])
+    code = "import torch.distributed as dist\ndist.init_process_group('gloo')\n" + LOOP
+    ranks = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    for rank in ranks:
+        _, stderr = rank.communicate(timeout=300)
+        assert rank.returncode == 0, stderr
+    assert sorted(p.name for p in out.iterdir()) == ["training_log-rank1.jsonl"]
+    records = [json.loads(line) for line in
+               (out / "training_log-rank1.jsonl").read_text().splitlines()]
+    assert (records[0]["rank"], records[0]["world_size"]) == (1, 2)
+    assert len(iterations(records)) == 3
+
+
+# torch's fake process group: the backend Megatron-LM's --fake-process-group uses
+FAKE_GROUP = """
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", rank={rank}, world_size=2, store=FakeStore())
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_process_of_a_fake_group_prints_and_records(tmp_path: Path, rank: int) -> None:
     _, _, records = run_loop(tmp_path, real_signature("0.19.2"),
-                             env={"RANK": "0", "WORLD_SIZE": "2"})
-    assert records == []
+                             prelude=FAKE_GROUP.format(rank=rank))
+    assert (records[0]["rank"], records[0]["world_size"]) == (rank, 2)
+    assert len(iterations(records)) == 3
 
 
 def test_no_failure_stops_the_run(tmp_path: Path) -> None:

@@ -3,11 +3,11 @@ reference, the candidate, the shipped run), the same way: it records what Megatr
 ``training_log`` is given, at full precision, then runs the ``sitecustomize`` it shadows.
 
 Megatron prints the grad norm to 3 decimals, too coarse for a small norm; this writes, from the
-rank that prints (the last, as ``print_rank_last``), one JSON line per call with the iteration,
-the grad norm and the losses as Python floats (``repr``, every bit), to the file that
-``MFSDP_PARITY_CAPTURE`` names (``{rank}`` in it becomes the rank). Arguments are bound by name,
-so every release's signature is read the same way (0.14 and 0.15 have a
-``decoupled_learning_rate`` before ``iteration``).
+process that prints (as ``print_rank_last``: the last rank, or each process of a fake process
+group), one JSON line per call with the iteration, the grad norm and the losses as Python floats
+(``repr``, every bit), to the file that ``MFSDP_PARITY_CAPTURE`` names (``{rank}`` in it becomes
+the rank). Arguments are bound by name, so every release's signature is read the same way (0.14
+and 0.15 have a ``decoupled_learning_rate`` before ``iteration``).
 
 It owes nothing to the hotfix: it imports only the standard library and ``wrapt``, never
 ``mfsdp_hotfix`` (importing that package arms the fixes), so it works with ``MFSDP_HOTFIX=0``
@@ -51,14 +51,17 @@ def _state() -> "Any":
     return state
 
 
-def _rank_and_size() -> "tuple[int, int]":
+def _rank_and_size() -> "tuple[int, int, bool]":
+    """(rank, world size, whether this process prints): as Megatron's ``print_rank_last``, the
+    last rank, or every process of a fake process group or of none."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        rank, size = dist.get_rank(), dist.get_world_size()
+        return rank, size, dist.get_backend() == "fake" or rank == size - 1
     env = os.environ
-    rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
-    size = env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1"))
-    return int(rank), int(size)
+    rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+    size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
+    return rank, size, True
 
 
 def _hotfix_seen() -> "dict[str, Any]":
@@ -86,8 +89,8 @@ def _record(state: "Any", signature: "inspect.Signature", args: "tuple[Any, ...]
             kwargs: "dict[str, Any]") -> None:
     bound = signature.bind(*args, **kwargs).arguments
     if state.stream is None:
-        rank, size = _rank_and_size()
-        if rank != size - 1:
+        rank, size, prints = _rank_and_size()
+        if not prints:
             state.off = True  # not the rank that prints: nothing to record here
             return
         path = os.environ[VARIABLE].replace("{rank}", str(rank))
