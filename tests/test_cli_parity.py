@@ -251,3 +251,11 @@ def test_compare_two_logs_reads_the_precision_from_the_logs(tmp_path: Path) -> N
     proc = run_python("", args=("-m", "mfsdp_hotfix", "parity", "--compare", logs[0],
                                 str(tmp_path / "plain"), "--precision", "bf16"))
     assert proc.returncode == exits.PARITY_MATCH, proc.stdout
+
+
+def test_the_docs_state_the_defaults_the_code_has() -> None:
+    from mfsdp_hotfix.commands.parity import DEFAULT_ITERS, DEFAULT_TIMEOUT
+
+    text = " ".join((REPO / "docs" / "PARITY.md").read_text().split())
+    assert f"(default `{DEFAULT_TIMEOUT:.0f}`)" in text
+    assert f"(default `--iters {DEFAULT_ITERS}`" in text
