@@ -374,7 +374,8 @@ def test_no_command_lists_the_commands_one_line_each() -> None:
     proc = run_python("", args=("-c", NO_TORCH), env={"COLUMNS": "100"})
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout
     listed = re.findall(r"^    (\S+) +\S", proc.stderr, re.M)
-    assert listed == ["status", "selftest", "run", "audit", "bootstrap-path", "help"], proc.stderr
+    assert listed == ["status", "selftest", "run", "audit", "parity", "bootstrap-path", "help"], (
+        proc.stderr)
     assert proc.stderr.rstrip().endswith("'mfsdp-hotfix help COMMAND' shows its options)")
 
 

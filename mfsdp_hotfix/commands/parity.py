@@ -35,8 +35,9 @@ DESCRIPTION = ("Run LAUNCH COMMAND (torchrun/srun/python ... pretrain_gpt.py ARG
                "data, MFSDP_HOTFIX=0). Every loss and the grad norm of every iteration are "
                "compared; the first line says MATCH, MISMATCH or CANNOT COMPARE. Every output "
                "of the runs goes into DIR; the user's checkpoint, TensorBoard and data folders "
-               "are never written. Exit status: 0 MATCH, 1 MISMATCH, 4 CANNOT COMPARE, 2 when "
-               "nothing was run (a usage error or a command parity refuses).")
+               f"are never written. Exit status: {PARITY_MATCH} MATCH, {PARITY_MISMATCH} "
+               f"MISMATCH, {PARITY_CANNOT_COMPARE} CANNOT COMPARE, {USAGE_ERROR} when nothing "
+               "was run (a usage error or a command parity refuses).")
 VERDICT_STATUS = {"MATCH": PARITY_MATCH, "MISMATCH": PARITY_MISMATCH,
                   "CANNOT COMPARE": PARITY_CANNOT_COMPARE}
 DEFAULT_ITERS, DEFAULT_TIMEOUT = 3, 1800.0
