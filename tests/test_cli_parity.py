@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_python
+from parity.live import alive
 
 from mfsdp_hotfix.commands import exits
 
@@ -73,13 +74,6 @@ def test_a_run_that_crashes_or_prints_nothing_cannot_be_compared(tmp_path: Path,
     if mode == "crash":
         assert "torch.OutOfMemoryError: CUDA out of memory." in proc.stdout  # its last lines
 
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def pids(path: Path) -> list[int]:

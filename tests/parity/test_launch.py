@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from parity.live import alive
 
 from mfsdp_hotfix.parity import launch
 
@@ -29,13 +30,6 @@ if sys.argv[1] == "hang":
 sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else 0)
 """
 
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def pids_of(path: Path) -> list[int]:
