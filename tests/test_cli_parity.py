@@ -253,3 +253,18 @@ def test_the_docs_state_the_defaults_the_code_has() -> None:
     text = " ".join((REPO / "docs" / "PARITY.md").read_text().split())
     assert f"(default `{DEFAULT_TIMEOUT:.0f}`)" in text
     assert f"(default `--iters {DEFAULT_ITERS}`" in text
+
+
+def test_shrink_runs_both_sides_with_fewer_layers_and_says_so(tmp_path: Path) -> None:
+    proc = parity(tmp_path, "--shrink", "2")
+    assert proc.returncode == exits.PARITY_MATCH, proc.stdout + proc.stderr
+    assert "layers: 2 on every run (--shrink), not the job's own" in proc.stdout
+    for run in ("candidate", "reference"):
+        assert "--num-layers 2" in (tmp_path / "out" / run / "command.txt").read_text()
+
+
+def test_an_out_below_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "parity", "--out",
+                                str(tmp_path / "file" / "x"), "--", sys.executable, str(STANDIN)))
+    assert proc.returncode == exits.USAGE_ERROR and "is a file, so the folder" in proc.stderr

@@ -134,9 +134,14 @@ def _out_problem(out: str, path: str) -> str | None:
         return (f"is an existing file ({prefix}, not a file to write): give a path that does "
                 "not exist yet")
     folder = os.path.dirname(path)
+    return folder_problem(folder, "for the rank files") or probe(path)
+
+
+def folder_problem(folder: str, purpose: str) -> str | None:
+    """Why ``folder`` cannot exist (a file where it or a folder above it would be), or None."""
     parent = folder
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        return f"{parent} is a file, so the folder {folder} for the rank files cannot exist"
-    return probe(path)
+        return f"{parent} is a file, so the folder {folder} {purpose} cannot exist"
+    return None

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..audit.verdicts import SIGNALLED
 from ..parity.floors import FLOORS
-from .audit import make_folders
+from .audit import folder_problem, make_folders
 from .exits import CANNOT_START, PARITY_CANNOT_COMPARE, PARITY_MATCH, PARITY_MISMATCH, USAGE_ERROR
 from .output import reader_gone
 from .run import add_command_argument, command_after_dashes
@@ -232,9 +232,4 @@ def _out_problem(out: str, path: str, overwrite: bool) -> str | None:
     if earlier and not overwrite:
         return (f"holds the runs of an earlier check ({', '.join(earlier)}); give a new folder, "
                 "or add --overwrite to delete them first")
-    parent = path
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"{parent} is a file, so the folder {path} cannot exist"
-    return probe(os.path.join(path, "probe"))
+    return folder_problem(path, "for the runs") or probe(os.path.join(path, "probe"))
