@@ -268,3 +268,9 @@ def test_an_out_below_a_file_is_refused(tmp_path: Path) -> None:
     proc = run_python("", args=("-m", "mfsdp_hotfix", "parity", "--out",
                                 str(tmp_path / "file" / "x"), "--", sys.executable, str(STANDIN)))
     assert proc.returncode == exits.USAGE_ERROR and "is a file, so the folder" in proc.stderr
+
+
+def test_a_launcher_that_cannot_start_is_said(tmp_path: Path) -> None:
+    proc = parity(tmp_path, command=[str(tmp_path / "no-torchrun"), str(STANDIN)])
+    assert proc.returncode == exits.CANNOT_START, proc.stderr
+    assert "cannot start" in proc.stderr and str(tmp_path / "out") in proc.stderr

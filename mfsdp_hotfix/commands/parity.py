@@ -15,7 +15,7 @@ import shutil
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..audit.verdicts import SIGNALLED
 from ..parity.floors import FLOORS
@@ -23,6 +23,10 @@ from .audit import folder_problem, make_folders
 from .exits import CANNOT_START, PARITY_CANNOT_COMPARE, PARITY_MATCH, PARITY_MISMATCH, USAGE_ERROR
 from .output import reader_gone
 from .run import add_command_argument, command_after_dashes
+
+if TYPE_CHECKING:
+    from ..parity.launch import Outcome
+    from ..parity.plan import Plan
 
 NAME = "parity"
 HELP = "run your job against Megatron's own DDP and compare every iteration"
@@ -143,7 +147,7 @@ def say(line: str) -> None:
     print(f"parity: {line}", file=sys.stderr, flush=True)
 
 
-def _say_plan(plan: Any, say: Callable[[str], None]) -> None:
+def _say_plan(plan: Plan, say: Callable[[str], None]) -> None:
     """The runs, what was changed for all of them and for the reference, each command line."""
     from ..parity.plan import describe
 
@@ -156,12 +160,12 @@ def _say_plan(plan: Any, say: Callable[[str], None]) -> None:
         say(f"  {each.name} ({each.title}): {describe(each)}")
 
 
-def _run_plan(plan: Any, args: argparse.Namespace) -> int:
+def _run_plan(plan: Plan, args: argparse.Namespace) -> int:
     from ..parity.launch import Stopped, stop_on_signals
     from ..parity.launch import run as launch
     from ..parity.plan import describe
 
-    outcomes = {}
+    outcomes: dict[str, Outcome] = {}
     with stop_on_signals():
         try:
             for each in plan.runs:
@@ -174,8 +178,8 @@ def _run_plan(plan: Any, args: argparse.Namespace) -> int:
                                                  each.log, args.timeout, say, each.name,
                                                  plan.last, reader_gone)
                 except OSError as exc:
-                    print(f"mfsdp-hotfix parity: cannot start {each.command[0]!r}: {exc}",
-                          file=sys.stderr)
+                    print(f"mfsdp-hotfix parity: cannot start {each.command[0]!r}: {exc} (the "
+                          f"runs' folder: {os.path.dirname(each.folder)})", file=sys.stderr)
                     return CANNOT_START
                 say(_ended(each.name, outcomes[each.name]))
         except KeyboardInterrupt:
@@ -191,7 +195,7 @@ def _stopped(what: str, status: int, out: str) -> int:
     return status
 
 
-def _ended(name: str, outcome: Any) -> str:
+def _ended(name: str, outcome: Outcome) -> str:
     if outcome.timed_out:
         return (f"{name}: HUNG: no end within {outcome.elapsed:.0f} s (--timeout); "
                 + (f"last iteration {outcome.last_iteration}" if outcome.last_iteration
@@ -199,7 +203,7 @@ def _ended(name: str, outcome: Any) -> str:
     return f"{name}: exit status {outcome.status} after {outcome.elapsed:.0f} s"
 
 
-def _verdict(plan: Any, outcomes: dict[str, Any], args: argparse.Namespace) -> int:
+def _verdict(plan: Plan, outcomes: dict[str, Outcome], args: argparse.Namespace) -> int:
     from ..parity.outcome import judge
 
     lines, data = judge(plan, outcomes)
