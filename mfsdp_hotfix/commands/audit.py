@@ -67,7 +67,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except OSError as exc:
             print(f"mfsdp-hotfix audit: cannot remove {name} from an earlier run ({exc}); "
                   "the summary may include it", file=sys.stderr)
-    created = _make_folders(os.path.dirname(path))
+    created = make_folders(os.path.dirname(path))
     env = dict(os.environ, PYTHONPATH=pythonpath_with_bootstrap(), **{settings.AUDIT: path})
     stopped: BaseException | None = None
     child = None
@@ -120,7 +120,7 @@ def _names(files: dict[int, str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def _make_folders(folder: str) -> list[str]:
+def make_folders(folder: str) -> list[str]:
     """Make ``folder`` and the folders above it that are missing; returns those made, deepest
     first (removed again if the command cannot be started)."""
     missing = []
@@ -144,9 +144,14 @@ def _out_problem(out: str, path: str) -> str | None:
         return (f"is an existing file ({prefix}, not a file to write): give a path that does "
                 "not exist yet")
     folder = os.path.dirname(path)
+    return folder_problem(folder, "for the rank files") or probe(path)
+
+
+def folder_problem(folder: str, purpose: str) -> str | None:
+    """Why ``folder`` cannot exist (a file where it or a folder above it would be), or None."""
     parent = folder
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        return f"{parent} is a file, so the folder {folder} for the rank files cannot exist"
-    return probe(path)
+        return f"{parent} is a file, so the folder {folder} {purpose} cannot exist"
+    return None
