@@ -1,0 +1,110 @@
+"""What a case's ``mfsdp-hotfix parity --json`` said: its verdict, each compared run's values of
+the first iteration, the relative differences of the first and of the later iterations (the
+noise floors are tied to these), the hotfix's state in each run, and the output tails where the
+case did not end as expected."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+TAIL = 4000
+RUN_TAIL = 2500
+RUN_TAILS = 6
+
+
+def parsed_json(stdout: str) -> dict[str, Any] | None:
+    """The command's JSON document: the whole of stdout, or else its last line that is one."""
+    text = stdout.strip()
+    candidates = [text] + [line for line in reversed(text.splitlines()) if line.startswith("{")]
+    for candidate in candidates:
+        try:
+            doc = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(doc, dict):
+            return doc
+    return None
+
+
+def verdict_of(doc: dict[str, Any] | None) -> str | None:
+    """``MATCH``, ``MISMATCH`` or ``CANNOT COMPARE`` as the document names it."""
+    if not doc or not doc.get("verdict"):
+        return None
+    return str(doc["verdict"]).replace("_", " ").upper()
+
+
+def rows_of(comparison: dict[str, Any]) -> list[dict[str, Any]]:
+    """A comparison's per-iteration rows, each ``iteration``, ``metric``, ``reference``,
+    ``candidate``, ``relative``."""
+    return [r for r in comparison.get("rows") or [] if isinstance(r, dict)]
+
+
+def is_grad_norm(metric: str) -> bool:
+    return metric.replace("_", " ").lower() == "grad norm"
+
+
+def differences(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first iteration's grad-norm relative difference, the largest relative difference of
+    the first iteration and of the later ones (by metric), and the first iteration's values."""
+    if not rows:
+        return {}
+    first = min(r["iteration"] for r in rows)
+    out: dict[str, Any] = {"first_iteration": first, "first": {}, "later": {},
+                           "reference_first": {}, "candidate_first": {}}
+    for r in rows:
+        rel = r.get("relative")
+        rel = float(rel) if isinstance(rel, (int, float)) else math.nan
+        part = out["first"] if r["iteration"] == first else out["later"]
+        part[r["metric"]] = max(part.get(r["metric"], 0.0), rel) if math.isfinite(rel) \
+            else rel
+        if r["iteration"] == first:
+            out["reference_first"][r["metric"]] = r.get("reference")
+            out["candidate_first"][r["metric"]] = r.get("candidate")
+    out["first_grad_norm_rel"] = next((v for k, v in out["first"].items() if is_grad_norm(k)),
+                                      None)
+    return out
+
+
+def run_tails(folder: str) -> dict[str, str]:
+    """The ends of the text files the command kept of its runs (their full output)."""
+    found = []
+    for dirpath, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = os.path.join(dirpath, name)
+            if name.endswith((".log", ".txt", ".out", ".err")) and os.path.getsize(path):
+                found.append(path)
+    tails = {}
+    for path in found[:RUN_TAILS]:
+        with open(path, errors="replace") as f:
+            f.seek(max(0, os.path.getsize(path) - RUN_TAIL))
+            tails[os.path.relpath(path, folder)] = f.read()
+    return tails
+
+
+def case_result(r: dict[str, Any], stdout: str, stderr: str) -> dict[str, Any]:
+    """The case's record from its exit status and output (``r``: the case with ``rc``,
+    ``wall_s``, ``cwd``)."""
+    doc = parsed_json(stdout)
+    r["json"] = doc
+    r["verdict"] = verdict_of(doc)
+    r.update(differences(rows_of(doc or {})))
+    shipped = (doc or {}).get("shipped")
+    if r["shipped"] and isinstance(shipped, dict):
+        r["shipped_verdict"] = verdict_of(shipped)
+        r["shipped_differences"] = differences(rows_of(shipped))
+    r["hotfix"] = {name: run.get("hotfix") for name, run in ((doc or {}).get("runs") or {}).items()
+                   if isinstance(run, dict)}
+    if r["rc"] == "timeout":
+        r["outcome"] = "cut by the budget" if r.get("cut") else "timeout"
+    else:
+        r["outcome"] = "verdict" if r["verdict"] else "no verdict"
+    r["as_expected"] = bool(r["verdict"]) and (not r["expected"] or r["verdict"] == r["expected"]) \
+        and (not r["expected_shipped"] or r.get("shipped_verdict") == r["expected_shipped"])
+    if not r["as_expected"] or r["verdict"] != "MATCH":
+        r["stdout_tail"] = stdout[-TAIL:]
+        r["stderr_tail"] = stderr[-2 * TAIL:]
+        r["run_tails"] = run_tails(os.path.join(r["cwd"], "parity"))
+    return r
