@@ -203,7 +203,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("installing", ("installer", "trigger", "bootstrap", "sitecustomize")),
     ("reporting", ("reporting", "tree")),
     ("api", ("",)),
-    ("proving", ("selftest",)),
+    ("proving", ("selftest", "parity")),
     ("commands", ("commands",)),
     ("entry", ("cli", "__main__")),
 ]
