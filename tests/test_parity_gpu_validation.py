@@ -8,7 +8,9 @@ table is the report of the committed records (a synthetic record here; no GPU re
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -233,3 +235,29 @@ def test_docs_parity_table_is_the_report_of_the_committed_records() -> None:
                          text)
     named = sorted({path for region in regions for path in region.split()})
     assert named == sorted(str(p.relative_to(REPO)) for p in RECORDS)
+
+
+def test_the_injection_without_its_capture(tmp_path: Path) -> None:
+    """``MFSDP_VAL_MLM_INJECT=1``: the APEX stub and the shipped dataset helpers go into
+    pretrain_gpt.py's process, but no capture (the command's own capture is the one read)."""
+    from megatron_lm.launch import INJECT
+
+    for module, body in (("megatron/training/training.py", "def train_step(): pass\n"),
+                         ("megatron/core/datasets/utils.py", "def compile_helpers(): pass\n")):
+        path = tmp_path / "site" / module
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(body)
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(
+        "import sys\nimport megatron.training.training as t\n"
+        "import megatron.core.datasets.utils as u\n"
+        "print('stub', 'fused_weight_gradient_mlp_cuda' in sys.modules)\n"
+        "print('train_step', t.train_step.__qualname__)\n"
+        "print('helpers', u.compile_helpers.__module__)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([INJECT, str(tmp_path / "site")]),
+               MFSDP_HOTFIX_BOOTSTRAP="0", MFSDP_VAL_MLM_INJECT="1")
+    env.pop("MFSDP_VAL_MLM_CAPTURE", None)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300, check=True).stdout.splitlines()
+    assert out == ["stub True", "train_step train_step", "helpers sitecustomize"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pretrain_gpt.py", "site"]

@@ -13,7 +13,7 @@ from typing import Any
 from megatron_lm.arguments import pretrain_args
 from megatron_lm.launch import INJECT, free_port, te_paths, torchrun
 
-from .plan import OP_FUSER_FLAGS
+from .plan import OP_FUSER_FLAGS, RUN_TIMEOUT_S
 
 
 def job_args(c: dict[str, Any]) -> list[str]:
@@ -44,7 +44,8 @@ def launch(c: dict[str, Any], script: str) -> list[str]:
 def command(c: dict[str, Any], script: str, release_dir: str, out: str
             ) -> tuple[list[str], dict[str, str], dict[str, str]]:
     """(argv, the whole environment, what the case adds to the caller's environment)."""
-    argv = parity_cli() + ["parity", "--json", "--out", out, "--iters", str(c["iterations"])]
+    argv = parity_cli() + ["parity", "--json", "--out", out, "--iters", str(c["iterations"]),
+                           "--timeout", f"{RUN_TIMEOUT_S:g}"]
     if c["shipped"]:
         argv.append("--with-shipped")
     argv += ["--"] + launch(c, script)

@@ -17,10 +17,10 @@ from megatron_lm.plan import needs_te
 from side_by_side import run_side_by_side
 
 from .command import command, run
+from .plan import RUN_TIMEOUT_S
 from .reading import case_result
 
 NO_TE_SLOTS = 4  # while TE builds on 12 of the 16 cores
-TIMEOUT_FACTOR = 3.0  # a check past three times its estimate is hung
 
 
 class Driver:
@@ -57,7 +57,8 @@ class Driver:
             return self.bounded(c)
 
     def bounded(self, c: dict[str, Any]) -> dict[str, Any]:
-        """The check, if the budget left holds its estimate; under three times its estimate."""
+        """The check, if the budget left holds its estimate; ended past the budget, or a minute
+        past the command's own time limit for its runs (a command that hangs itself)."""
         left = self.deadline - time.time()
         if left < c["estimate_s"]:
             return dict(c, outcome="not run", error=f"time budget: {left:.0f} s left, the "
@@ -68,11 +69,11 @@ class Driver:
         argv, env, added = command(c, self.scripts[c["release"]],
                                    self.release_dirs[c["release"]], out)
         t0 = time.time()
-        rc, stdout, stderr = run(argv, env, folder, min(left, TIMEOUT_FACTOR * c["estimate_s"]))
+        limit = c["runs"] * RUN_TIMEOUT_S + 60
+        rc, stdout, stderr = run(argv, env, folder, min(left, limit))
         wall = round(time.time() - t0, 1)
         return case_result(dict(c, argv=argv, env_added=added, cwd=folder, rc=rc, wall_s=wall,
-                                cut=rc == "timeout" and left < TIMEOUT_FACTOR * c["estimate_s"]),
-                           stdout, stderr)
+                                cut=rc == "timeout" and left < limit), stdout, stderr)
 
     def run_all(self, cases: list[dict[str, Any]], log=print, progress=None
                 ) -> list[dict[str, Any]]:

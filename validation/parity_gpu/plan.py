@@ -28,6 +28,8 @@ OP_FUSER_RELEASES = ("core-0.19.2",)
 # (validation/megatron_lm's records: 25 to 43 s), and a check's own overhead
 RUN_S = 45.0
 CHECK_OVERHEAD_S = 15.0
+# the command's --timeout: a run past it is hung (the command ends it and says so)
+RUN_TIMEOUT_S = 240.0
 
 
 def case(group: str, release: str, *, zero: int, impl: str = "te", dtype: str = "fp32",
@@ -49,7 +51,8 @@ def case(group: str, release: str, *, zero: int, impl: str = "te", dtype: str = 
              route="fake process group" if dp == 2 else "torchrun, NCCL")
     c["id"] = "|".join([release, f"dp{dp}", f"zero{zero}", impl, wgrad, dtype, model,
                         variant.replace(" ", "-") + ("+shipped" if shipped else "")])
-    c["estimate_s"] = RUN_S * (3 if shipped else 2) + CHECK_OVERHEAD_S
+    c["runs"] = 3 if shipped else 2
+    c["estimate_s"] = RUN_S * c["runs"] + CHECK_OVERHEAD_S
     return c
 
 

@@ -6,7 +6,6 @@ case did not end as expected."""
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
@@ -55,14 +54,15 @@ def differences(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"first_iteration": first, "first": {}, "later": {},
                            "reference_first": {}, "candidate_first": {}}
     for r in rows:
-        rel = r.get("relative")
-        rel = float(rel) if isinstance(rel, (int, float)) else math.nan
-        part = out["first"] if r["iteration"] == first else out["later"]
-        part[r["metric"]] = max(part.get(r["metric"], 0.0), rel) if math.isfinite(rel) \
-            else rel
         if r["iteration"] == first:
             out["reference_first"][r["metric"]] = r.get("reference")
             out["candidate_first"][r["metric"]] = r.get("candidate")
+        rel = r.get("relative")
+        if not isinstance(rel, (int, float)):  # a count, or a value one run lacks
+            continue
+        part = out["first"] if r["iteration"] == first else out["later"]
+        part[r["metric"]] = max(part.get(r["metric"], 0.0), float(rel))
+    out["sources"] = sorted({str(r.get("source")) for r in rows if r.get("source")})
     out["first_grad_norm_rel"] = next((v for k, v in out["first"].items() if is_grad_norm(k)),
                                       None)
     return out
