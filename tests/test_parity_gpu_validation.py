@@ -33,7 +33,7 @@ from parity_gpu.plan import (  # noqa: E402
     selected,
 )
 from parity_gpu.reading import case_result, differences, parsed_json  # noqa: E402
-from parity_gpu.tables import joined, report  # noqa: E402
+from parity_gpu.tables import floor_violations, joined, report  # noqa: E402
 
 RECORDS = sorted((REPO / "docs" / "validation").glob("parity-gpu-*.json.gz"))
 
@@ -261,3 +261,23 @@ def test_the_injection_without_its_capture(tmp_path: Path) -> None:
                          cwd=tmp_path, timeout=300, check=True).stdout.splitlines()
     assert out == ["stub True", "train_step train_step", "helpers sitecustomize"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pretrain_gpt.py", "site"]
+
+
+def test_the_floors_are_tied_to_the_recorded_verdicts() -> None:
+    """A floor lowered below the noise a MATCH run measured, or raised over the difference of a
+    MISMATCH run, disagrees with the record: in the committed records, none may."""
+    from mfsdp_hotfix.parity.floors import FLOORS, Floor
+
+    results = synthetic_record()["results"]
+    assert floor_violations(results, FLOORS) == []
+    low = dict(FLOORS, fp32=Floor("fp32", 1e-6, 1e-6, None, "too low"))
+    assert any("MATCH recorded" in v and "dp1|zero1" in v
+               for v in floor_violations(results, low))
+    high = dict(FLOORS, fp32=Floor("fp32", 0.5, 0.5, None, "too high"))
+    found = floor_violations(results, high)
+    assert any("(shipped run)" in v and "MISMATCH recorded" in v for v in found)
+    assert any("disabled" in v for v in found)
+    from parity_gpu.record import read
+
+    real = joined([read(str(path)) for path in RECORDS])
+    assert floor_violations(real, FLOORS) == []

@@ -68,13 +68,13 @@ def verdict_rows(results: list[dict[str, Any]]) -> list[str]:
 
 
 def compared(results: list[dict[str, Any]]):
-    """(dtype, verdict, differences) of every compared run that has a verdict."""
+    """(dtype, verdict, differences, name) of every compared run that has a verdict."""
     for r in results:
         if r.get("verdict"):
-            yield r["dtype"], r["verdict"], r
+            yield r["dtype"], r["verdict"], r, r["id"]
         shipped = r.get("shipped_differences")
         if r.get("shipped_verdict") and shipped:
-            yield r["dtype"], r["shipped_verdict"], shipped
+            yield r["dtype"], r["shipped_verdict"], shipped, r["id"] + " (shipped run)"
 
 
 def largest(values: list[float]) -> float | None:
@@ -90,7 +90,7 @@ def floor_rows(results: list[dict[str, Any]]) -> list[str]:
            "any metric, largest | later iterations: any metric, largest | first iteration: "
            "grad norm, smallest |", "|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for dtype, verdict, d in compared(results):
+    for dtype, verdict, d, _ in compared(results):
         groups.setdefault((dtype, verdict), []).append(d)
     for (dtype, verdict), ds in sorted(groups.items()):
         grad = [d.get("first_grad_norm_rel") for d in ds]
@@ -107,3 +107,24 @@ def report(records: list[dict[str, Any]]) -> str:
     """Table 1: the verdicts; table 2: the relative differences by dtype and verdict."""
     results = joined(records)
     return "\n".join(verdict_rows(results) + [""] + floor_rows(results))
+
+
+def floor_violations(results: list[dict[str, Any]], floors: dict[str, Any]) -> list[str]:
+    """Where the floors (``mfsdp_hotfix.parity.floors.FLOORS``: ``first`` and ``later`` per
+    precision) disagree with the recorded verdicts: a MATCH run whose difference lies above its
+    floor (the floor was lowered below the noise measured), or a MISMATCH run none of whose
+    differences lies above it (the floor was raised over a defect measured)."""
+    out = []
+    for dtype, verdict, d, name in compared(results):
+        floor = floors.get(dtype)
+        if floor is None or verdict not in ("MATCH", "MISMATCH"):
+            continue
+        above = [f"{part} iteration(s), {metric}: {rel:.2g} > {limit:g}"
+                 for part, limit in (("first", floor.first), ("later", floor.later))
+                 for metric, rel in (d.get(part) or {}).items() if rel > limit]
+        if verdict == "MATCH" and above:
+            out.append(f"{name} ({dtype}): MATCH recorded, but " + "; ".join(above))
+        if verdict == "MISMATCH" and not above:
+            out.append(f"{name} ({dtype}): MISMATCH recorded, but no difference lies above the "
+                       f"floors {floor.first:g} / {floor.later:g}")
+    return out
