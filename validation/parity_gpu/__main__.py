@@ -14,6 +14,10 @@ VALIDATION = os.path.dirname(PACKAGE)
 # imported by the package's name, the scripts beside it (engine, workdir, ...) by theirs
 if sys.path[0] == PACKAGE:
     sys.path[0] = VALIDATION
+# mfsdp_hotfix (its noise floors, the process helpers) where it is not installed: after
+# site-packages, so that an installed copy (the GPU call's, `pip install .`) is the one used
+if os.path.dirname(VALIDATION) not in sys.path:
+    sys.path.append(os.path.dirname(VALIDATION))
 
 import parity_gpu  # noqa: E402
 from parity_gpu.plan import GROUPS, RELEASES, selected  # noqa: E402
