@@ -175,6 +175,10 @@ def test_a_failing_case_costs_no_other_case_its_record(tmp_path: Path, monkeypat
                   deadline=time.time() + 30, workers=1)
     cut = late.one(cases[0])
     assert cut["outcome"] == "not run" and "time budget" in cut["error"]
+    # the checks that ended set the pace: slower runs than planned start fewer checks
+    assert late.needed(cases[0]) == cases[0]["estimate_s"]
+    late.per_run += [100.0, 30.0, 120.0]
+    assert late.needed(cases[0]) == 2 * 100.0 + cases[0]["estimate_s"] - 2 * 45.0
 
 
 def synthetic_record() -> dict[str, Any]:

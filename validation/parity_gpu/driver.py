@@ -17,7 +17,7 @@ from megatron_lm.plan import needs_te
 from side_by_side import run_side_by_side
 
 from .command import command, run
-from .plan import RUN_TIMEOUT_S
+from .plan import CHECK_OVERHEAD_S, RUN_S, RUN_TIMEOUT_S
 from .reading import case_result
 
 NO_TE_SLOTS = 4  # while TE builds on 12 of the 16 cores
@@ -32,6 +32,7 @@ class Driver:
         self.deadline = deadline
         self.workers = workers
         self.no_te = threading.BoundedSemaphore(NO_TE_SLOTS)
+        self.per_run: list[float] = []  # seconds per run of the checks that ended so far
 
     def one(self, c: dict[str, Any]) -> dict[str, Any]:
         """A case's result; whatever goes wrong in the harness is this case's record alone."""
@@ -59,10 +60,10 @@ class Driver:
     def bounded(self, c: dict[str, Any]) -> dict[str, Any]:
         """The check, if the budget left holds its estimate; ended past the budget, or a minute
         past the command's own time limit for its runs (a command that hangs itself)."""
-        left = self.deadline - time.time()
-        if left < c["estimate_s"]:
+        left, need = self.deadline - time.time(), self.needed(c)
+        if left < need:
             return dict(c, outcome="not run", error=f"time budget: {left:.0f} s left, the "
-                        f"check takes about {c['estimate_s']:.0f} s")
+                        f"check takes about {need:.0f} s")
         folder = os.path.join(self.folder, c["id"].replace("|", "_").replace(",", "_"))
         os.makedirs(folder)
         out = os.path.join(folder, "parity")  # the command's own folder: it makes it
@@ -72,8 +73,16 @@ class Driver:
         limit = c["runs"] * RUN_TIMEOUT_S + 60
         rc, stdout, stderr = run(argv, env, folder, min(left, limit))
         wall = round(time.time() - t0, 1)
+        if rc != "timeout":
+            self.per_run.append(wall / c["runs"])
         return case_result(dict(c, argv=argv, env_added=added, cwd=folder, rc=rc, wall_s=wall,
                                 cut=rc == "timeout" and left < limit), stdout, stderr)
+
+    def needed(self, c: dict[str, Any]) -> float:
+        """Seconds a check will take: its runs at the median pace of the checks that ended on
+        this machine (at first the plan's estimate), and the command's own overhead."""
+        pace = sorted(self.per_run)[len(self.per_run) // 2] if self.per_run else RUN_S
+        return c["runs"] * max(pace, RUN_S) + CHECK_OVERHEAD_S
 
     def run_all(self, cases: list[dict[str, Any]], log=print, progress=None
                 ) -> list[dict[str, Any]]:
