@@ -16,9 +16,10 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .floors import FLOORS, Floor
-from .log_lines import GRAD_NORM, NAN, SKIPPED, Iteration, RunLog
+from .log_lines import GRAD_NORM, NAN, SKIPPED, Iteration, RunLog, read_log
 
 
 class Verdict(enum.Enum):
@@ -33,6 +34,22 @@ DIFFERS = "differs"
 TOO_COARSE = "too coarse"
 MISSING = "missing"
 REFERENCE_NOT_FINITE = "reference not finite"
+# Why runs cannot be compared, besides a row's state.
+NO_ITERATIONS = "no iterations"
+DIFFERENT_ITERATIONS = "different iterations"
+MISSING_ITERATIONS = "missing iterations"
+NOTHING_SHARED = "nothing shared"
+NO_FLOOR = "no floor"
+UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why (part of) the runs cannot be compared: its kind (what to do follows from it) and the
+    words for the user."""
+
+    kind: str
+    text: str
 
 
 @dataclass(frozen=True)
@@ -57,7 +74,11 @@ class Comparison:
     floor: Floor | None
     rows: list[Row]
     first_difference: Row | None
-    reasons: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def reasons(self) -> list[str]:
+        return [problem.text for problem in self.problems]
 
     @property
     def sources(self) -> list[str]:
@@ -66,13 +87,21 @@ class Comparison:
 
 
 def precision_of(argv: Sequence[str]) -> str:
-    """The precision Megatron-LM trains in, from its flags: fp8 (``--fp8-format``, which rides
-    on ``--bf16`` or ``--fp16``), fp4 (``--fp4-format``), bf16, fp16, else fp32."""
+    """The precision a run trains in, from its command line: Megatron-LM's flags (fp8 by
+    ``--fp8-format``, which rides on ``--bf16`` or ``--fp16``; fp4 by ``--fp4-format``) or a
+    Megatron-Bridge override ``...mixed_precision=<recipe>`` (``bf16_with_fp8_..._mixed`` is fp8);
+    else fp32."""
     flags = {arg.split("=", 1)[0] for arg in argv}
     for flag, precision in (("--fp4-format", "fp4"), ("--fp8-format", "fp8"),
                             ("--bf16", "bf16"), ("--fp16", "fp16")):
         if flag in flags:
             return precision
+    recipes = [arg.split("=", 1)[1].lower() for arg in argv
+               if "=" in arg and arg.split("=", 1)[0].lstrip("-+").endswith("mixed_precision")]
+    for recipe in recipes:
+        for precision in ("fp4", "fp8", "bf16", "fp16"):
+            if precision in recipe:
+                return precision
     return "fp32"
 
 
@@ -148,24 +177,24 @@ def _span(numbers: Sequence[int]) -> str:
     return f"{numbers[0]}-{numbers[-1]}" if len(numbers) > 1 else str(numbers[0])
 
 
-def _alignment(ref: RunLog, cand: RunLog) -> tuple[list[int], list[str]]:
+def _alignment(ref: RunLog, cand: RunLog) -> tuple[list[int], list[Problem]]:
     """The iteration numbers both runs report, and why the rest cannot be compared."""
     ref_numbers = [it.number for it in ref.iterations]
     cand_numbers = [it.number for it in cand.iterations]
     for name, numbers in (("reference", ref_numbers), ("candidate", cand_numbers)):
         if not numbers:
-            return [], [f"the {name} printed no iteration line (Megatron prints one per "
-                        "iteration with --log-interval 1; see the run's output)"]
+            return [], [Problem(NO_ITERATIONS, f"the {name} printed no iteration line")]
     common = sorted(set(ref_numbers) & set(cand_numbers))
     if not common:
-        return [], [f"the runs report different iterations: the reference "
-                    f"{_span(ref_numbers)}, the candidate {_span(cand_numbers)}"]
-    reasons = []
+        return [], [Problem(DIFFERENT_ITERATIONS, "the runs report different iterations: the "
+                            f"reference {_span(ref_numbers)}, the candidate {_span(cand_numbers)}")]
+    problems = []
     for name, numbers in (("candidate", sorted(set(ref_numbers) - set(common))),
                           ("reference", sorted(set(cand_numbers) - set(common)))):
         if numbers:
-            reasons.append(f"iterations {', '.join(map(str, numbers))} missing from the {name}")
-    return common, reasons
+            problems.append(Problem(MISSING_ITERATIONS, f"iterations {', '.join(map(str, numbers))}"
+                                    f" missing from the {name}"))
+    return common, problems
 
 
 def compare(reference: RunLog, candidate: RunLog, precision: str) -> Comparison:
@@ -173,9 +202,9 @@ def compare(reference: RunLog, candidate: RunLog, precision: str) -> Comparison:
     floor = FLOORS.get(precision)
     if floor is None:
         return Comparison(Verdict.CANNOT_COMPARE, precision, None, [], None,
-                          [f"no noise floor is known for {precision}; compare in "
-                           f"{' or '.join(FLOORS)}"])
-    common, reasons = _alignment(reference, candidate)
+                          [Problem(NO_FLOOR, f"no noise floor is known for {precision}; compare "
+                                             f"in {' or '.join(FLOORS)}")])
+    common, problems = _alignment(reference, candidate)
     ref_by, cand_by = ({it.number: it for it in run.iterations} for run in (reference, candidate))
     first = min(common, default=None)
     tight = first is not None and first == reference.iterations[0].number == \
@@ -187,12 +216,26 @@ def compare(reference: RunLog, candidate: RunLog, precision: str) -> Comparison:
     differing = [row for row in rows if row.state == DIFFERS]
     if common and not any(row.state != MISSING for row in rows
                           if row.metric not in (SKIPPED, NAN)):
-        reasons.append("neither run reported a loss or a grad norm both share")
+        problems.append(Problem(NOTHING_SHARED,
+                                "neither run reported a loss or a grad norm both share"))
     for row in rows:
         if row.state not in (MATCHES, DIFFERS):
-            reasons.append(f"iteration {row.iteration}, {row.metric}: {row.state}"
-                           + (f" ({row.note})" if row.note else ""))
+            problems.append(Problem(row.state, f"iteration {row.iteration}, {row.metric}: "
+                                    f"{row.state}" + (f" ({row.note})" if row.note else "")))
     if differing:
-        return Comparison(Verdict.MISMATCH, precision, floor, rows, differing[0], reasons)
-    verdict = Verdict.CANNOT_COMPARE if reasons else Verdict.MATCH
-    return Comparison(verdict, precision, floor, rows, None, reasons)
+        return Comparison(Verdict.MISMATCH, precision, floor, rows, differing[0], problems)
+    verdict = Verdict.CANNOT_COMPARE if problems else Verdict.MATCH
+    return Comparison(verdict, precision, floor, rows, None, problems)
+
+
+def compare_logs(path_a: str, path_b: str, precision: str) -> Comparison:
+    """``parity --compare LOG_A LOG_B``: two finished logs (A the reference) in Megatron-LM's
+    line format (docs/PARITY.md, "Line format"), compared as two runs are."""
+    runs = []
+    for path in (path_a, path_b):
+        try:
+            runs.append(read_log(Path(path).read_text(errors="replace")))
+        except OSError as exc:
+            return Comparison(Verdict.CANNOT_COMPARE, precision, FLOORS.get(precision), [], None,
+                              [Problem(UNREADABLE, f"cannot read {path}: {exc.strerror or exc}")])
+    return compare(runs[0], runs[1], precision)

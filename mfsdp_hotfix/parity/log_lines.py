@@ -64,7 +64,7 @@ class Iteration:
 
 @dataclass(frozen=True)
 class RunLog:
-    """A run's iterations in order, one per number (a restarted run's later print wins)."""
+    """A run's iterations in order, one per number (after a restart, the run that went on)."""
 
     iterations: list[Iteration]
     family: str | None
@@ -156,7 +156,9 @@ def parse_line(body: str) -> Iteration | None:
 
 
 def read_lines(text: str) -> RunLog:
-    """The iterations printed in ``text`` (a run's whole output), without a capture."""
+    """The iterations printed in ``text`` (a run's whole output), without a capture. Where the
+    iteration number goes back (a restart, from scratch or from a checkpoint), the iterations
+    printed before from that number on are dropped: the run that went on is the one compared."""
     by_number: dict[int, Iteration] = {}
     families: list[str] = []
     restarts = 0
@@ -166,9 +168,9 @@ def read_lines(text: str) -> RunLog:
         if iteration is None:
             continue
         if last is not None and iteration.number <= last:
-            restarts += 1
+            restarts += 1  # what the abandoned run printed from here on is not this run's
+            by_number = {n: it for n, it in by_number.items() if n < iteration.number}
         last = iteration.number
-        by_number.pop(iteration.number, None)
         by_number[iteration.number] = iteration
         families.append(_family(before))
     iterations = [by_number[n] for n in sorted(by_number)]

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from training_lines import megatron_line
 
 from mfsdp_hotfix.parity.comparison import (
@@ -70,6 +72,15 @@ def test_the_hotfix_matches_ddp_on_the_real_runs_full_precision(tmp_path: Path) 
         assert 0 < max(row.relative or 0 for row in norms) < 1.3e-5  # 1.2e-5 measured (TE GPT)
 
 
+def test_as_shipped_is_a_mismatch_against_ddp(tmp_path: Path) -> None:
+    ddp = captured_run("core-0.19.2-ddp-reference", tmp_path)
+    got = compare(ddp, captured_run("core-0.19.2-zero1-shipped", tmp_path), "fp32")
+    first = got.first_difference
+    assert got.verdict is Verdict.MISMATCH and first is not None
+    assert (first.iteration, first.metric, first.source) == (1, GRAD_NORM, "capture")
+    assert first.relative == pytest.approx(1 - 1.1369562149047852 / 2.2396607398986816)
+
+
 def test_as_shipped_is_a_mismatch_from_the_printed_lines_alone() -> None:
     shipped = read_log((FIXTURES / "core-0.19.2-zero1-shipped.log").read_text())
     hotfix = read_log((FIXTURES / "core-0.19.2-zero1-hotfix.log").read_text())
@@ -103,6 +114,13 @@ def test_every_floor_just_under_and_just_over(precision: str, first: bool) -> No
     over = compare(run_of(*ref), cand(1 + floor * 1.01), precision)
     assert over.verdict is Verdict.MISMATCH and over.first_difference is not None
     assert over.first_difference.floor == floor and over.first_difference.iteration == 1
+
+
+def test_the_gpu_validation_judges_by_the_same_fp32_floor() -> None:
+    sys.path.insert(0, str(REPO / "validation"))
+    import mlm_verdict
+
+    assert mlm_verdict.FLOAT_NOISE == FLOORS["fp32"].first == FLOAT_NOISE
 
 
 def test_the_floors_sit_well_below_the_smallest_defect() -> None:
@@ -186,7 +204,7 @@ def test_empty_logs(missing: str) -> None:
     got = compare(ref, cand, "fp32")
     assert got.verdict is Verdict.CANNOT_COMPARE and got.rows == []
     name = "reference" if missing != "candidate" else "candidate"
-    assert got.reasons[0].startswith(f"the {name} printed no iteration line")
+    assert got.reasons == [f"the {name} printed no iteration line"]
 
 
 def test_a_loss_or_a_grad_norm_one_side_lacks() -> None:
@@ -216,6 +234,9 @@ def test_an_unknown_precision_cannot_be_compared() -> None:
     (["--bf16"], "bf16"), (["--fp16"], "fp16"),
     (["--bf16", "--fp8-format", "hybrid"], "fp8"), (["--bf16", "--fp8-format=e4m3"], "fp8"),
     (["--bf16", "--fp4-format", "e2m1"], "fp4"), (["--bf16-something"], "fp32"),
+    (["run_recipe.py", "mixed_precision=bf16_mixed"], "bf16"),
+    (["mixed_precision=bf16_with_fp8_delayed_scaling_mixed"], "fp8"),
+    (["model.mixed_precision=fp16_mixed"], "fp16"), (["train.precision_note=bf16"], "fp32"),
 ])
 def test_precision_of(argv: list[str], precision: str) -> None:
     assert precision_of(argv) == precision

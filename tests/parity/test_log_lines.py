@@ -16,7 +16,8 @@ from mfsdp_hotfix.parity.log_lines import GRAD_NORM, iteration_of, read_log
 FIXTURES = Path(__file__).parent / "fixtures"
 # Real excerpts whose run also recorded the full-precision values (the record's "reported"):
 # the print must be those values rounded as Megatron rounds them.
-WITH_REPORTED = ["core-0.19.2-zero1-hotfix", "core-0.18.2-zero1-hotfix"]
+WITH_REPORTED = ["core-0.19.2-zero1-hotfix", "core-0.19.2-zero1-shipped",
+                 "core-0.18.2-zero1-hotfix"]
 
 
 def fixture(name: str) -> str:
@@ -39,6 +40,32 @@ def test_a_real_excerpt_reads_as_its_runs_full_precision_values_rounded(name: st
         assert abs(it.grad_norm - norm) <= it.resolution[GRAD_NORM] == 5e-4
         assert it.resolution["lm loss"] == 5e-7
         assert (it.skipped, it.nan, it.source) == (0, 0, "log")
+
+
+def family_of(name: str) -> str:
+    """The format family a fixture's release prints (its name starts with the release)."""
+    return log_lines.FAMILY_SECONDS if name.startswith(("core-0.14", "core-0.15")) else \
+        log_lines.FAMILY_MICROS
+
+
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.log")), ids=lambda p: p.stem)
+def test_every_real_excerpt(path: Path) -> None:
+    """Every excerpt (those validation/parity_fixture_logs.py cuts included): consecutive
+    iterations with a loss, a grad norm and the counts, in its release's family; where the run's
+    capture came with it, the print is the captured grad norm rounded as Megatron rounds it."""
+    printed = read_log(path.read_text())
+    numbers = [it.number for it in printed.iterations]
+    assert len(numbers) >= 2 and numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+    assert printed.family == family_of(path.stem) and printed.restarts == 0
+    for it in printed.iterations:
+        assert "lm loss" in it.losses and it.grad_norm is not None
+        assert (it.skipped, it.nan, it.grad_norm_digits) == (0, 0, 3)
+    capture = path.with_suffix(".capture")
+    if capture.is_dir():
+        run = read_log(path.read_text(), str(capture))
+        assert run.hotfix == "not loaded"  # run with MFSDP_HOTFIX=0 and no import of it
+        for seen, got in zip(printed.iterations, run.iterations, strict=True):
+            assert got.source == "log+capture" and seen.grad_norm == float(f"{got.grad_norm:.3f}")
 
 
 def test_the_real_moe_excerpt_with_other_prints_between_its_lines() -> None:
@@ -97,14 +124,20 @@ def test_a_line_cut_by_another_print_is_joined_and_a_cut_field_left_out() -> Non
     assert broken.iterations[0].losses == {"lm loss": 8.654756}
 
 
-def test_a_restarted_run_keeps_its_last_print_of_each_iteration() -> None:
-    printed = [(1, 9.0, 2.0), (2, 8.0, 2.1), (1, 9.5, 2.5), (2, 8.5, 2.6), (3, 7.5, 2.7)]
-    lines = [megatron_line(n, {"lm loss": loss}, norm) for n, loss, norm in printed]
-    text = "\n".join(lines[:2] + ["restarting"] + lines[2:])
-    run = read_log(text)
+@pytest.mark.parametrize("printed, kept", [
+    # from scratch, then further
+    ([(1, 9.0), (2, 8.0), (1, 9.5), (2, 8.5), (3, 7.5)], [(1, 9.5), (2, 8.5), (3, 7.5)]),
+    # from scratch, and stopped earlier than the first attempt: nothing of the first is kept
+    ([(1, 9.0), (2, 8.0), (3, 7.0), (1, 9.5), (2, 8.5)], [(1, 9.5), (2, 8.5)]),
+    # from a checkpoint saved after iteration 2
+    ([(1, 9.0), (2, 8.0), (3, 7.0), (3, 7.2), (4, 6.9)], [(1, 9.0), (2, 8.0), (3, 7.2), (4, 6.9)]),
+])
+def test_a_restarted_run_is_the_run_that_went_on(printed: list[tuple[int, float]],
+                                                  kept: list[tuple[int, float]]) -> None:
+    lines = [megatron_line(n, {"lm loss": loss}, 2.0) for n, loss in printed]
+    run = read_log("\n".join(lines[:2] + ["restarting"] + lines[2:]))
     assert run.restarts == 1
-    assert [(it.number, it.losses["lm loss"]) for it in run.iterations] == [
-        (1, 9.5), (2, 8.5), (3, 7.5)]
+    assert [(it.number, it.losses["lm loss"]) for it in run.iterations] == kept
 
 
 def test_not_a_number_and_infinity() -> None:
