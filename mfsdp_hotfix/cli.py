@@ -1,4 +1,4 @@
-"""``mfsdp-hotfix``: status, selftest, run, audit, bootstrap-path and help.
+"""``mfsdp-hotfix``: status, selftest, run, audit, parity, bootstrap-path and help.
 
 ``status`` and ``bootstrap-path`` work without torch; ``selftest`` needs torch and a
 Megatron-FSDP copy; ``run`` starts a command with the sitecustomize bootstrap on PYTHONPATH;
@@ -12,16 +12,17 @@ import argparse
 import sys
 
 from .__about__ import __version__
-from .commands import Command, audit, bootstrap_path, run, selftest, status
+from .commands import Command, audit, bootstrap_path, parity, run, selftest, status
 from .commands.exits import BROKEN_PIPE, USAGE_ERROR
 from .commands.output import quiet_stdout
 
 DESCRIPTION = ("Runtime repair of Megatron-FSDP's gradient double-buffer race. 'status' and "
                "'bootstrap-path' work without torch; 'selftest' needs torch and a Megatron-FSDP "
                "copy; 'run' starts a command with the hotfix loaded in every Python process; "
-               "'audit' does the same with the on-the-job audit on and summarises it.")
+               "'audit' does the same with the on-the-job audit on and summarises it; "
+               "'parity' runs a job against Megatron's own DDP and compares every iteration.")
 # In the order ``--help`` lists them; ``help`` follows, as the parser's own.
-COMMANDS: tuple[Command, ...] = (status, selftest, run, audit, bootstrap_path)
+COMMANDS: tuple[Command, ...] = (status, selftest, run, audit, parity, bootstrap_path)
 
 
 class _CommandListFormatter(argparse.HelpFormatter):

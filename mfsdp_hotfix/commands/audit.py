@@ -63,7 +63,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except OSError as exc:
             print(f"mfsdp-hotfix audit: cannot remove {name} from an earlier run ({exc}); "
                   "the summary may include it", file=sys.stderr)
-    created = _make_folders(os.path.dirname(path))
+    created = make_folders(os.path.dirname(path))
     env = dict(os.environ, PYTHONPATH=pythonpath_with_bootstrap(), **{settings.AUDIT: path})
     try:
         child = subprocess.Popen(command, env=env)
@@ -110,7 +110,7 @@ def _names(files: dict[int, str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def _make_folders(folder: str) -> list[str]:
+def make_folders(folder: str) -> list[str]:
     """Make ``folder`` and the folders above it that are missing; returns those made, deepest
     first (removed again if the command cannot be started)."""
     missing = []

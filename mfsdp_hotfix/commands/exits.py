@@ -15,3 +15,7 @@ BROKEN_PIPE = 141
 # ``run`` and ``audit`` when COMMAND cannot be started (the shell's status for a command not
 # found or not executable).
 CANNOT_START = 127
+# Exit codes of ``parity``: the verdicts MATCH and MISMATCH, and CANNOT COMPARE (a run crashed,
+# hung, printed no iteration, or the print is too coarse to decide); nothing run is a usage
+# error, and a signal that stopped parity gives the shell's 128 + N.
+PARITY_MATCH, PARITY_MISMATCH, PARITY_CANNOT_COMPARE = 0, 1, 4
