@@ -15,9 +15,6 @@ VALIDATION = os.path.dirname(PACKAGE)
 # imported by the package's name, the scripts beside it (comparison, workdir, ...) by theirs
 if sys.path[0] == PACKAGE:
     sys.path[0] = VALIDATION
-# mfsdp_hotfix (mlm_verdict's noise floor) where it is not installed, after site-packages
-if os.path.dirname(VALIDATION) not in sys.path:
-    sys.path.append(os.path.dirname(VALIDATION))
 
 import megatron_lm  # noqa: E402
 from megatron_lm.arguments import pretrain_args  # noqa: E402
