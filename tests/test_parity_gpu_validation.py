@@ -28,6 +28,7 @@ from parity_gpu.plan import (  # noqa: E402
     DISABLED_FIX,
     OP_FUSER_FLAGS,
     RELEASES,
+    RUN_S,
     case,
     plan,
     selected,
@@ -132,28 +133,74 @@ def comparison_doc(verdict: str, grad: list[tuple[float, float]], loss: float = 
     return {"verdict": verdict, "rows": rows}
 
 
+def write_run(folder: Path, name: str, grad: list[float], hotfix: str,
+              disabled: list[str] = ()) -> dict[str, Any]:
+    """A run's output and capture as the command leaves them (synthetic: the test's numbers),
+    and its entry in the JSON's ``runs``."""
+    from parity.training_lines import megatron_line
+
+    run = folder / name
+    (run / "capture").mkdir(parents=True)
+    log = run / "output.log"
+    log.write_text("\n".join(megatron_line(i, {"lm loss": 9.0}, g)
+                             for i, g in enumerate(grad, start=1)) + "\n")
+    records = [dict(kind="process", rank=0, hotfix=hotfix, fixes_applied=["reduce-once"],
+                    disabled_fixes=list(disabled))]
+    records += [dict(kind="iteration", iteration=i, grad_norm=g, losses={"lm loss": 9.0},
+                     skipped=0) for i, g in enumerate(grad, start=1)]
+    (run / "capture" / "training_log-rank0.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records))
+    return {"log": str(log), "status": 0, "seconds": 40.0, "timed_out": False}
+
+
 def test_a_cases_json_becomes_its_record(tmp_path: Path) -> None:
+    out = tmp_path / "parity"
+    runs = {"reference": write_run(out, "reference", [2.0, 2.5], "off"),
+            "candidate": write_run(out, "candidate", [2.0 * (1 + 4e-6), 2.5 * (1 + 3e-5)],
+                                   "active"),
+            "shipped": write_run(out, "shipped", [1.2, 1.0], "off")}
     doc = dict(comparison_doc("MATCH", [(2.0, 2.0 * (1 + 4e-6)), (2.5, 2.5 * (1 + 3e-5))]),
-               runs={"reference": {"hotfix": "off"}, "candidate": {"hotfix": "active"}},
-               shipped=comparison_doc("MISMATCH", [(2.0, 1.2), (2.5, 1.0)]))
-    assert parsed_json("progress\n" + json.dumps(doc)) == doc
+               runs=runs, shipped=comparison_doc("MISMATCH", [(2.0, 1.2), (2.5, 1.0)]))
+    assert parsed_json(json.dumps(doc, indent=1)) == doc
     c = dict(case("dp1", "core-0.19.2", zero=3, shipped=True, expected_shipped="MISMATCH"),
              rc=0, wall_s=120.0, cwd=str(tmp_path))
-    r = case_result(c, json.dumps(doc), "")
+    r = case_result(c, json.dumps(doc, indent=1), "")
     assert r["verdict"] == "MATCH" and r["shipped_verdict"] == "MISMATCH" and r["as_expected"]
+    assert r["rc_as_documented"] and not r["harness_problem"]
     assert r["first_grad_norm_rel"] == pytest.approx(4e-6)
     assert r["later"]["grad norm"] == pytest.approx(3e-5)
     assert r["shipped_differences"]["first_grad_norm_rel"] == pytest.approx(0.4)
-    assert r["hotfix"] == {"reference": "off", "candidate": "active"}
+    assert r["hotfix"] == {"reference": "off", "candidate": "active", "shipped": "off"}
+    candidate = r["runs_read"]["candidate"]
+    assert candidate["first"] == {"grad_norm": pytest.approx(2.0 * (1 + 4e-6)),
+                                  "losses": {"lm loss": 9.0}, "source": "log+capture"}
+    assert candidate["iterations"] == [1, 2] and candidate["fixes"]["disabled_fixes"] == []
     assert r["reference_first"] == {"grad norm": 2.0, "lm loss": 9.0}
     assert "stdout_tail" not in r  # as expected: no tails
-    (tmp_path / "parity").mkdir()
-    (tmp_path / "parity" / "candidate.log").write_text("x" * 10_000 + "Traceback: boom")
+    (out / "candidate" / "output.log").write_text("x" * 10_000 + "Traceback: boom")
     bad = case_result(dict(c, rc=2), "not json", "error: the reference did not start")
     assert bad["verdict"] is None and bad["outcome"] == "no verdict" and not bad["as_expected"]
     assert bad["stderr_tail"].endswith("did not start")
-    assert bad["run_tails"]["candidate.log"].endswith("boom")
-    assert len(bad["run_tails"]["candidate.log"]) < 10_000
+    assert bad["run_tails"]["candidate/output.log"].endswith("boom")
+    assert len(bad["run_tails"]["candidate/output.log"]) < 10_000
+    wrong_status = case_result(dict(c, rc=4), json.dumps(doc), "")
+    assert not wrong_status["rc_as_documented"]
+
+
+def test_a_run_whose_hotfix_is_not_its_roles_is_the_harnesss_failure(tmp_path: Path) -> None:
+    runs = {"reference": write_run(tmp_path, "reference", [2.0], "off"),
+            "candidate": write_run(tmp_path, "candidate", [2.0], "off")}
+    c = dict(case("dp1", "core-0.19.2", zero=1), rc=0, wall_s=90.0, cwd=str(tmp_path))
+    r = case_result(c, json.dumps(dict(comparison_doc("MATCH", [(2.0, 2.0)]), runs=runs)), "")
+    assert r["harness_problem"] == "hotfix unlike the run's role (candidate: off)"
+    assert not r["as_expected"] and "stdout_tail" in r
+    runs["candidate"] = write_run(tmp_path / "b", "candidate", [2.1], "active")
+    c = dict(case("disabled", "core-0.19.2", zero=1, disabled=(DISABLED_FIX,),
+                  expected="MISMATCH"), rc=1, wall_s=90.0, cwd=str(tmp_path))
+    r = case_result(c, json.dumps(dict(comparison_doc("MISMATCH", [(2.0, 2.1)]), runs=runs)),
+                    "")
+    assert r["harness_problem"] == f"hotfix unlike the run's role (candidate: {DISABLED_FIX} " \
+        "not disabled)"
 
 
 def test_a_failing_case_costs_no_other_case_its_record(tmp_path: Path, monkeypatch) -> None:
@@ -178,7 +225,7 @@ def test_a_failing_case_costs_no_other_case_its_record(tmp_path: Path, monkeypat
     # the checks that ended set the pace: slower runs than planned start fewer checks
     assert late.needed(cases[0]) == cases[0]["estimate_s"]
     late.per_run += [100.0, 30.0, 120.0]
-    assert late.needed(cases[0]) == 2 * 100.0 + cases[0]["estimate_s"] - 2 * 45.0
+    assert late.needed(cases[0]) == 2 * 100.0 + cases[0]["estimate_s"] - 2 * RUN_S
 
 
 def synthetic_record() -> dict[str, Any]:

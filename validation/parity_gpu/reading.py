@@ -5,6 +5,7 @@ case did not end as expected."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from typing import Any
@@ -84,6 +85,71 @@ def run_tails(folder: str) -> dict[str, str]:
     return tails
 
 
+def runs_read(doc: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Each run's log (and capture) read back by the command's own reader: the hotfix's state
+    the capture saw, the release family of the lines, the first iteration's values and where
+    they come from, the iterations, the run's exit status and seconds."""
+    from mfsdp_hotfix.parity.log_lines import read_log
+
+    out = {}
+    for name, info in ((doc or {}).get("runs") or {}).items():
+        entry = {k: info.get(k) for k in ("status", "seconds", "timed_out")}
+        log = info.get("log") or ""
+        if os.path.isfile(log):
+            capture = os.path.join(os.path.dirname(log), "capture")
+            with open(log, errors="replace") as f:
+                run = read_log(f.read(), capture if os.path.isdir(capture) else None)
+            first = run.iterations[0] if run.iterations else None
+            entry.update(hotfix=run.hotfix, fixes=fixes_seen(capture), family=run.family,
+                         capture_note=run.capture_note,
+                         iterations=[it.number for it in run.iterations],
+                         first=None if first is None else {
+                             "grad_norm": first.grad_norm, "losses": first.losses,
+                             "source": first.source})
+        out[name] = entry
+    return out
+
+
+def fixes_seen(capture: str) -> dict[str, Any] | None:
+    """The fixes the capture saw applied and disabled in the process that printed (the last
+    rank's file: its ``process`` record)."""
+    from mfsdp_hotfix.parity.log_lines import CAPTURE_PREFIX
+
+    files = sorted(glob.glob(os.path.join(capture, f"{CAPTURE_PREFIX}*.jsonl")))
+    for path in files[-1:]:
+        with open(path, errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and record.get("kind") == "process":
+                    return {k: record.get(k) for k in ("fixes_applied", "disabled_fixes")}
+    return None
+
+
+def hotfix_problem(runs: dict[str, dict[str, Any]], disabled: list[str]) -> str | None:
+    """A run whose hotfix is not what its role says is the harness's failure, never a result:
+    the candidate runs with the hotfix (and without the fixes the case disables), the reference
+    and the shipped run without."""
+    states = {name: run.get("hotfix") for name, run in runs.items()}
+    wrong = [f"{name}: {states[name]}" for name, want in (("candidate", True),
+                                                          ("reference", False),
+                                                          ("shipped", False))
+             if states.get(name) is not None and (states[name] == "active") != want]
+    seen = (runs.get("candidate") or {}).get("fixes") or {}
+    wrong += [f"candidate: {fix} not disabled" for fix in disabled
+              if seen and fix not in (seen.get("disabled_fixes") or [])]
+    return "hotfix unlike the run's role (" + "; ".join(wrong) + ")" if wrong else None
+
+
+def documented_status(verdict: str | None) -> int | None:
+    """The exit status the command documents for a verdict."""
+    from mfsdp_hotfix.commands.parity import VERDICT_STATUS
+
+    return VERDICT_STATUS.get(verdict or "")
+
+
 def case_result(r: dict[str, Any], stdout: str, stderr: str) -> dict[str, Any]:
     """The case's record from its exit status and output (``r``: the case with ``rc``,
     ``wall_s``, ``cwd``)."""
@@ -95,13 +161,15 @@ def case_result(r: dict[str, Any], stdout: str, stderr: str) -> dict[str, Any]:
     if r["shipped"] and isinstance(shipped, dict):
         r["shipped_verdict"] = verdict_of(shipped)
         r["shipped_differences"] = differences(rows_of(shipped))
-    r["hotfix"] = {name: run.get("hotfix") for name, run in ((doc or {}).get("runs") or {}).items()
-                   if isinstance(run, dict)}
+    r["runs_read"] = runs_read(doc)
+    r["hotfix"] = {name: run.get("hotfix") for name, run in r["runs_read"].items()}
+    r["harness_problem"] = hotfix_problem(r["runs_read"], r["disabled"])
+    r["rc_as_documented"] = documented_status(r["verdict"]) == r["rc"]
     if r["rc"] == "timeout":
         r["outcome"] = "cut by the budget" if r.get("cut") else "timeout"
     else:
         r["outcome"] = "verdict" if r["verdict"] else "no verdict"
-    r["as_expected"] = bool(r["verdict"]) and (not r["expected"] or r["verdict"] == r["expected"]) \
+    r["as_expected"] = bool(r["verdict"]) and not r["harness_problem"] and (not r["expected"] or r["verdict"] == r["expected"]) \
         and (not r["expected_shipped"] or r.get("shipped_verdict") == r["expected_shipped"])
     if not r["as_expected"] or r["verdict"] != "MATCH":
         r["stdout_tail"] = stdout[-TAIL:]
