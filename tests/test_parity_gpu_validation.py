@@ -332,3 +332,30 @@ def test_the_floors_are_tied_to_the_recorded_verdicts() -> None:
 
     real = joined([read(str(path)) for path in RECORDS])
     assert floor_violations(real, FLOORS) == []
+
+
+def test_two_cases_end_to_end_through_the_real_command(tmp_path: Path, monkeypatch) -> None:
+    """The driver runs ``mfsdp-hotfix parity --json`` as the GPU call does, on a stand-in for
+    pretrain_gpt.py (no GPU here; it prints Megatron-LM's lines, and without the hotfix a grad
+    norm off by the size of the shipped defect): the hotfix's check records MATCH and, with
+    ``--with-shipped``, the shipped run MISMATCH, each with the documented exit status."""
+    monkeypatch.setattr(driver_module.engine, "te_state", lambda: "ready")
+    monkeypatch.setattr(driver_module.engine, "te_env", lambda: {})
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the package, as `pip install .` would give it
+    standin = REPO / "tests" / "parity" / "standin" / "pretrain_gpt.py"
+    drv = Driver({"core-0.19.2": str(standin)}, {"core-0.19.2": str(tmp_path / "rel")},
+                 str(tmp_path / "cases"), deadline=time.time() + 600, workers=2)
+    cases = selected(("core-0.19.2",), ("dp1",), r"zero1\|te\|fused\|(fp32|bf16)\|gpt")
+    assert [c["shipped"] for c in cases] == [True, False]
+    results = drv.run_all(cases, log=lambda _line: None)
+    by_shipped = {r["shipped"]: r for r in results}
+    with_shipped, plain = by_shipped[True], by_shipped[False]
+    assert with_shipped["verdict"] == "MATCH" and with_shipped["shipped_verdict"] == "MISMATCH"
+    assert with_shipped["shipped_differences"]["first_grad_norm_rel"] == pytest.approx(
+        0.016, rel=0.2)
+    assert plain["verdict"] == "MATCH" and plain["rc"] == 0 and plain["rc_as_documented"]
+    assert set(with_shipped["runs_read"]) == {"reference", "candidate", "shipped"}
+    assert with_shipped["runs_read"]["reference"]["iterations"] == [1, 2, 3]
+    lines = report([{"results": results}]).splitlines()
+    assert any(line.startswith("| **MISMATCH** | MISMATCH | core-0.19.2 | TE | fp32 | 1 |")
+               for line in lines)
