@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ..parity.floors import FLOORS
 from .audit import make_folders
 from .exits import CANNOT_START, PARITY_CANNOT_COMPARE, PARITY_MATCH, PARITY_MISMATCH, USAGE_ERROR
 from .run import add_command_argument, command_after_dashes
@@ -64,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the verdict as one JSON object on stdout")
     parser.add_argument("--compare", nargs=2, metavar=("REFERENCE_LOG", "CANDIDATE_LOG"),
                         help="compare two finished logs instead of running anything")
+    parser.add_argument("--precision", choices=sorted(FLOORS),
+                        help="with --compare: the precision the logs were trained in (read "
+                             "from Megatron-LM's argument dump in the logs when not given)")
     add_command_argument(parser)
 
 
@@ -199,7 +203,7 @@ def _compare_logs(args: argparse.Namespace) -> int:
     from ..parity.outcome import judge_logs
 
     try:
-        lines, data = judge_logs(args.compare[0], args.compare[1])
+        lines, data = judge_logs(args.compare[0], args.compare[1], args.precision)
     except OSError as exc:
         return _refuse(f"--compare: cannot read {exc.filename}: {exc.strerror}")
     print(json.dumps(data, indent=1) if args.json else "\n".join(lines))
