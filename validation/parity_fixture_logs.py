@@ -14,10 +14,12 @@ Two steps, because the GPU machine reaches no network:
 
 ``run`` writes ``$OUT/<family>.log`` (the run's whole output), ``$OUT/<family>/`` (the capture)
 and ``$OUT/runs.json`` (tag, commit, command, exit status, seconds per family). The dataset
-helpers: a tag whose ``helpers.cpp`` is the megatron-core 0.17.1 wheel's gets that wheel's
-compiled module (``MFSDP_TEST_CACHE``'s unpacked wheel, at ``pack``) and ``validation/mlm_inject``
-imports it instead of running ``make``; the others (0.14, 0.15) compile it with ``make``, which
-needs ``pybind11`` on the machine (``runs.json`` says when that failed).
+helpers (C++, which Megatron builds with ``make`` and ``pybind11`` at start): a tag whose
+``helpers.cpp`` is the megatron-core 0.17.1 wheel's gets that wheel's compiled module
+(``MFSDP_TEST_CACHE``'s unpacked wheel); with ``--helpers-python PY`` (a Python of the GPU
+machine's version with ``pybind11`` importable) ``pack`` compiles the others' (0.14, 0.15) here;
+``validation/mlm_inject`` then imports the module instead of running ``make``. A tag left
+without one runs ``make`` on the machine (``runs.json`` and its log say when that failed).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -45,7 +48,7 @@ CASE = {"dp": 1, "iterations": 2, "fsdp": False, "impl": "local", "fusion": Fals
         "deterministic": False, "db": False, "overlap_grad_reduce": False,
         "overlap_param_gather": False, "dtype": "fp32", "recompute": False, "moe": False,
         "launcher": "torchrun"}
-TIMEOUT_S = 300
+TIMEOUT_S = 110  # each family; five stay inside one ten-minute GPU command
 
 
 def _git(git_dir: str, *args: str) -> bytes:
@@ -53,13 +56,28 @@ def _git(git_dir: str, *args: str) -> bytes:
                           capture_output=True).stdout
 
 
-def pack(git_dir: str, stage: str) -> None:
-    """Each family's tree (git archive of megatron/ and the scripts) and, where its helpers.cpp
-    is the wheel's, the wheel's compiled helpers."""
+def _build_helpers(git_dir: str, ref: str, python: str, target: str) -> None:
+    """The tag's ``helpers.cpp`` compiled for ``python`` (as its Makefile does)."""
+    source = target + ".cpp"
+    with open(source, "wb") as f:
+        f.write(_git(git_dir, "show", f"{ref}:{HELPERS}"))
+    includes = subprocess.run([python, "-m", "pybind11", "--includes"], check=True,
+                              capture_output=True, text=True).stdout.split()
+    subprocess.run(["g++", "-O3", "-shared", "-std=c++11", "-fPIC", *includes, source, "-o",
+                    target], check=True)
+    os.remove(source)
+
+
+def pack(git_dir: str, stage: str, helpers_python: str | None) -> None:
+    """Each family's tree (git archive of megatron/ and the scripts) and its dataset helpers
+    compiled: the wheel's where its helpers.cpp is the wheel's, else built with
+    ``helpers_python``."""
     os.makedirs(stage, exist_ok=True)
     wheel = os.path.join(os.environ.get("MFSDP_TEST_CACHE", ".cache/releases"), "unpacked",
                          HELPERS_WHEEL)
     wheel_blob = _git(git_dir, "hash-object", os.path.join(wheel, HELPERS)).decode().strip()
+    (built,) = glob.glob(os.path.join(wheel, "megatron/core/datasets/helpers_cpp*.so"))
+    suffix = os.path.basename(built)[len("helpers_cpp"):]
     meta = {}
     for family, ref in FAMILIES.items():
         present = [s for s in SCRIPTS if subprocess.run(
@@ -67,41 +85,45 @@ def pack(git_dir: str, stage: str) -> None:
             capture_output=True).returncode == 0]
         with open(os.path.join(stage, f"{family}.tar.gz"), "wb") as f:
             f.write(_git(git_dir, "archive", "--format=tar.gz", ref, "megatron", *present))
-        shares = _git(git_dir, "rev-parse", f"{ref}:{HELPERS}").decode().strip() == wheel_blob
+        helpers = os.path.join(stage, f"{family}-helpers_cpp{suffix}")
+        if _git(git_dir, "rev-parse", f"{ref}:{HELPERS}").decode().strip() == wheel_blob:
+            shutil.copyfile(built, helpers)
+            origin = f"the {HELPERS_WHEEL} wheel's"
+        elif helpers_python:
+            _build_helpers(git_dir, ref, helpers_python, helpers)
+            origin = f"compiled for {helpers_python}"
+        else:
+            origin = "make on the machine"
         meta[family] = {"ref": ref, "commit": _git(git_dir, "rev-parse", ref).decode().strip(),
-                        "wheel_helpers": shares}
-    built = glob.glob(os.path.join(wheel, "megatron/core/datasets/helpers_cpp*.so"))
-    for path in built:
-        with open(path, "rb") as src, open(os.path.join(stage, os.path.basename(path)), "wb") as f:
-            f.write(src.read())
+                        "helpers": origin}
     with open(os.path.join(stage, "families.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    print(f"staged {len(meta)} families in {stage}")
+    print(json.dumps(meta, indent=1))
 
 
-def _stage_tree(stage: str, family: str, info: dict[str, object], work: str) -> str:
+def _stage_tree(stage: str, family: str, work: str) -> tuple[str, bool]:
+    """(the family's tree unpacked under ``work``, whether it has compiled helpers)."""
     tree = os.path.join(work, family)
     os.makedirs(tree, exist_ok=True)
     with tarfile.open(os.path.join(stage, f"{family}.tar.gz")) as archive:
         archive.extractall(tree, filter="data")
-    if info["wheel_helpers"]:
-        for path in glob.glob(os.path.join(stage, "helpers_cpp*.so")):
-            with open(path, "rb") as src, open(os.path.join(
-                    tree, "megatron/core/datasets", os.path.basename(path)), "wb") as f:
-                f.write(src.read())
-    return tree
+    helpers = glob.glob(os.path.join(stage, f"{family}-helpers_cpp*.so"))
+    for path in helpers:
+        shutil.copyfile(path, os.path.join(tree, "megatron/core/datasets",
+                                           os.path.basename(path)[len(family) + 1:]))
+    return tree, bool(helpers)
 
 
 def run_family(stage: str, family: str, info: dict[str, object], out: str, port: int) -> dict:
     sys.path.insert(0, REPO)
     from mfsdp_hotfix.parity.capture import capture_environment
 
-    tree = _stage_tree(stage, family, info, "/tmp/parity_fixture_logs")
+    tree, helpers = _stage_tree(stage, family, "/tmp/parity_fixture_logs")
     capture_dir = os.path.join(out, family)
     os.makedirs(capture_dir, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
     # mlm_inject imports the shipped dataset helpers instead of running `make`
-    inject = [os.path.join(HERE, "mlm_inject")] if info["wheel_helpers"] else []
+    inject = [os.path.join(HERE, "mlm_inject")] if helpers else []
     env.update(CUDA_DEVICE_MAX_CONNECTIONS="1", MFSDP_HOTFIX="0",
                PYTHONPATH=os.pathsep.join([*inject, tree]))
     env.update(capture_environment(capture_dir, env))  # the capture first, as parity puts it
@@ -148,6 +170,7 @@ def main() -> int:
     p = sub.add_parser("pack")
     p.add_argument("git_dir")
     p.add_argument("stage")
+    p.add_argument("--helpers-python", help="a Python with pybind11, of the GPU machine's version")
     r = sub.add_parser("run")
     r.add_argument("stage")
     r.add_argument("out")
@@ -157,7 +180,7 @@ def main() -> int:
     c.add_argument("fixtures")
     args = parser.parse_args()
     if args.step == "pack":
-        pack(args.git_dir, args.stage)
+        pack(args.git_dir, args.stage, args.helpers_python)
         return 0
     if args.step == "cut":
         cut(args.out, args.fixtures)

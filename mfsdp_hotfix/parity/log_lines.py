@@ -27,6 +27,8 @@ SKIPPED = "number of skipped iterations"
 NAN = "number of nan iterations"
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+# what launchers put before each line: torchrun's ``[rank0]:`` / ``[default0]:``, srun's ``0: ``
+_LAUNCHER_PREFIX = re.compile(r"^\s*(?:\[[A-Za-z]*\d+\]:|\d+:)\s?")
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 _FIELD = re.compile(r"\s*([^|:]+?)\s*:\s*([^|]*?)\s*\|")
 _NUMBER = re.compile(r"[-+]?(?:(\d+)(?:\.(\d*))?(?:[eE]([-+]?\d+))?|nan|inf(?:inity)?)",
@@ -110,7 +112,7 @@ def _joined_iteration_lines(lines: list[str]) -> Iterable[tuple[str, str]]:
                 if _ITERATION.search(tail):
                     break
                 if NAN in tail:
-                    body += tail
+                    body += _LAUNCHER_PREFIX.sub("", tail, count=1)
                     break
         yield line[:found.start()], body
 
@@ -185,26 +187,45 @@ def read_log(text: str, capture_dir: str | None = None) -> RunLog:
     if capture_dir is None:
         return printed
     captured, hotfix, note = read_capture(Path(capture_dir))
-    merged = merge(printed.iterations, captured)
+    merged, disagreeing = merge(printed.iterations, captured)
+    if disagreeing:
+        note = (f"the capture's grad norm is not the printed one at iterations "
+                f"{', '.join(map(str, disagreeing))}: the printed values are used there")
     return replace(printed, iterations=merged, hotfix=hotfix, capture_note=note)
 
 
-def merge(printed: list[Iteration], captured: Mapping[int, Iteration]) -> list[Iteration]:
-    """Each iteration with the captured grad norm in place of the printed one. Losses stay as
-    printed: seven significant digits are finer than any floor, and what Megatron prints is not
-    always the iteration's own loss (from 0.16 on it does not reset its sums after the first
-    iteration, so the second line averages the first two), so both runs are read the same way."""
+def merge(printed: list[Iteration],
+          captured: Mapping[int, Iteration]) -> tuple[list[Iteration], list[int]]:
+    """Each iteration with the captured grad norm in place of the printed one, and the
+    iterations where the capture is not what the line printed (there the print is kept: a
+    capture that disagrees with Megatron's own line is not trusted). Losses stay as printed:
+    seven significant digits are finer than any floor, and what Megatron prints is not always
+    the iteration's own loss (from 0.16 on it does not reset its sums after the first iteration,
+    so the second line averages the first two), so both runs are read the same way."""
     by_number = {it.number: it for it in printed}
+    disagreeing = []
     for number, got in captured.items():
         seen = by_number.get(number)
         if seen is None:
             by_number[number] = got
+        elif got.grad_norm is not None and not _printed_as(seen, got.grad_norm):
+            disagreeing.append(number)
         elif got.grad_norm is not None:
             resolution = {**seen.resolution, GRAD_NORM: 0.0}
             by_number[number] = replace(
                 seen, grad_norm=got.grad_norm, grad_norm_digits=None, resolution=resolution,
                 source="capture" if _all_captured(resolution) else "log+capture")
-    return [by_number[n] for n in sorted(by_number)]
+    return [by_number[n] for n in sorted(by_number)], sorted(disagreeing)
+
+
+def _printed_as(seen: Iteration, grad_norm: float) -> bool:
+    """Whether ``grad_norm`` rounds to the grad norm the line printed (or the line printed none)."""
+    if seen.grad_norm is None:
+        return True
+    if not (math.isfinite(grad_norm) and math.isfinite(seen.grad_norm)):
+        return repr(grad_norm) == repr(seen.grad_norm)
+    half_unit = seen.resolution.get(GRAD_NORM, 0.0)
+    return abs(grad_norm - seen.grad_norm) <= half_unit * (1 + 1e-6) + 1e-12
 
 
 def _all_captured(resolution: Mapping[str, float]) -> bool:

@@ -45,6 +45,10 @@ def printed(*lines: str) -> RunLog:
     return read_log("\n".join(lines))
 
 
+def printed_fixture(name: str) -> RunLog:
+    return read_log((FIXTURES / f"{name}.log").read_text())
+
+
 def captured_run(name: str, tmp_path: Path) -> RunLog:
     """A real run's full-precision values (fixtures/<name>.reported.json) as a capture, and the
     lines its release prints from them."""
@@ -82,9 +86,8 @@ def test_as_shipped_is_a_mismatch_against_ddp(tmp_path: Path) -> None:
 
 
 def test_as_shipped_is_a_mismatch_from_the_printed_lines_alone() -> None:
-    shipped = read_log((FIXTURES / "core-0.19.2-zero1-shipped.log").read_text())
-    hotfix = read_log((FIXTURES / "core-0.19.2-zero1-hotfix.log").read_text())
-    got = compare(hotfix, shipped, "fp32")
+    got = compare(printed_fixture("core-0.19.2-zero1-hotfix"),
+                  printed_fixture("core-0.19.2-zero1-shipped"), "fp32")
     assert got.verdict is Verdict.MISMATCH and got.sources == ["log"]
     first = got.first_difference
     assert first is not None and (first.iteration, first.metric) == (1, GRAD_NORM)
@@ -93,9 +96,8 @@ def test_as_shipped_is_a_mismatch_from_the_printed_lines_alone() -> None:
 
 
 def test_two_releases_printing_the_same_values_match_from_the_print() -> None:
-    a = read_log((FIXTURES / "core-0.19.2-zero1-hotfix.log").read_text())
-    b = read_log((FIXTURES / "core-0.18.2-zero1-hotfix.log").read_text())
-    got = compare(a, b, "fp32")
+    got = compare(printed_fixture("core-0.19.2-zero1-hotfix"),
+                  printed_fixture("core-0.18.2-zero1-hotfix"), "fp32")
     # 2.240 against 2.240: at most 1e-3 / 2.2395 = 4.5e-4 apart, below the floor: decided
     assert got.verdict is Verdict.MATCH and got.sources == ["log"]
 
@@ -121,6 +123,20 @@ def test_the_gpu_validation_judges_by_the_same_fp32_floor() -> None:
     import mlm_verdict
 
     assert mlm_verdict.FLOAT_NOISE == FLOORS["fp32"].first == FLOAT_NOISE
+
+
+def test_the_fp32_floor_against_its_measurement() -> None:
+    """The fp32 floor's record: every run judged correct there (Megatron-FSDP with the hotfix,
+    or without a defect, against Megatron's DDP or its unfused self) lies 4× below the first
+    iteration's floor; every run judged wrong lies above the later iterations' floor."""
+    floor = FLOORS["fp32"]
+    assert floor.measured is not None
+    rows = json.loads((REPO / floor.measured).read_text())["rows"]
+    right = [r["max_rel"] for r in rows if r["outcome"] in ("exact", "float noise")
+             and r["max_rel"] is not None]
+    wrong = [r["max_rel"] for r in rows if r["outcome"] == "wrong"]
+    assert len(right) > 40 and len(wrong) >= 10
+    assert max(right) * 4 < floor.first and min(wrong) > floor.later
 
 
 def test_the_floors_sit_well_below_the_smallest_defect() -> None:
