@@ -150,7 +150,7 @@ def write_run(folder: Path, name: str, grad: list[float], hotfix: str,
                      skipped=0) for i, g in enumerate(grad, start=1)]
     (run / "capture" / "training_log-rank0.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in records))
-    return {"log": str(log), "status": 0, "seconds": 40.0, "timed_out": False}
+    return {"what": name, "exit status": 0, "seconds": 40.0, "output": str(log)}
 
 
 def test_a_cases_json_becomes_its_record(tmp_path: Path) -> None:
@@ -160,7 +160,8 @@ def test_a_cases_json_becomes_its_record(tmp_path: Path) -> None:
                                    "active"),
             "shipped": write_run(out, "shipped", [1.2, 1.0], "off")}
     doc = dict(comparison_doc("MATCH", [(2.0, 2.0 * (1 + 4e-6)), (2.5, 2.5 * (1 + 3e-5))]),
-               runs=runs, shipped=comparison_doc("MISMATCH", [(2.0, 1.2), (2.5, 1.0)]))
+               runs=dict(runs, check={"iterations": "1-2", "folder": str(out)}),
+               shipped=comparison_doc("MISMATCH", [(2.0, 1.2), (2.5, 1.0)]))
     assert parsed_json(json.dumps(doc, indent=1)) == doc
     c = dict(case("dp1", "core-0.19.2", zero=3, shipped=True, expected_shipped="MISMATCH"),
              rc=0, wall_s=120.0, cwd=str(tmp_path))

@@ -13,6 +13,7 @@ from typing import Any
 TAIL = 4000
 RUN_TAIL = 2500
 RUN_TAILS = 6
+RUNS = ("reference", "candidate", "shipped")  # the command's runs, by its names
 
 
 def parsed_json(stdout: str) -> dict[str, Any] | None:
@@ -93,8 +94,10 @@ def runs_read(doc: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
 
     out = {}
     for name, info in ((doc or {}).get("runs") or {}).items():
-        entry = {k: info.get(k) for k in ("status", "seconds", "timed_out")}
-        log = info.get("log") or ""
+        if name not in RUNS:
+            continue  # the check's own facts ("check": iterations, folder)
+        entry = {"status": info.get("exit status"), "seconds": info.get("seconds")}
+        log = info.get("output") or ""
         if os.path.isfile(log):
             capture = os.path.join(os.path.dirname(log), "capture")
             with open(log, errors="replace") as f:
