@@ -104,13 +104,14 @@ def determinism_env(c: dict[str, Any]) -> dict[str, str]:
 
 
 def parse_check(release_dir: str, c: dict[str, Any], timeout: float = 300.0,
-                args: list[str] | None = None) -> dict[str, Any]:
+                args: list[str] | None = None, env: dict[str, str] | None = None
+                ) -> dict[str, Any]:
     """The case's command line (``args``, by default ``pretrain_args``) through the release's own
-    ``parse_and_validate_args`` (CPU: the device architecture is given as Hopper's). Returns the
-    parsed settings that the case sets."""
+    ``parse_and_validate_args`` (CPU: the device architecture is given as Hopper's), with
+    ``env`` added to the environment. Returns the parsed settings that the case sets."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [release_dir] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-        WORLD_SIZE=str(c["dp"]), RANK="0", LOCAL_RANK="0", **determinism_env(c))
+        WORLD_SIZE=str(c["dp"]), RANK="0", LOCAL_RANK="0", **determinism_env(c), **(env or {}))
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     argv = pretrain_args(c) if args is None else args
     p = subprocess.run([sys.executable, "-c", PARSE_CODE, json.dumps(argv)],

@@ -57,23 +57,35 @@ def print_plan(a: argparse.Namespace) -> None:
 
 
 def check_args(a: argparse.Namespace) -> None:
-    """Every selected case's arguments through its release's own ``parse_and_validate_args``."""
+    """Every run of every selected case (the command's own plan: the candidate, the reference it
+    rewrites to Megatron's DDP, the shipped run) through the release's ``parse_and_validate_args``
+    with the environment the command gives that run."""
     from megatron_lm.arguments import parse_check
 
-    from parity_gpu.command import job_args
+    from mfsdp_hotfix.parity.job_command import split_command
+    from mfsdp_hotfix.parity.plan import make_plan
+    from parity_gpu.command import launch
 
     dirs = dict(item.split("=", 1) for item in a.check_args)
     failed = 0
     for c in selected(a.releases, a.groups, a.only):
         if c["release"] not in dirs:
             continue
-        try:
-            parsed = parse_check(dirs[c["release"]], c, args=job_args(c))
-            print(f"ok   {c['id']} microbatches={parsed['num_microbatches']} "
-                  f"fusion={parsed['gradient_accumulation_fusion']}")
-        except RuntimeError as exc:
-            failed += 1
-            print(f"FAIL {c['id']}: {str(exc)[-1500:]}")
+        job = split_command(launch(c, "pretrain_gpt.py"))
+        plan = make_plan(job, "/nonexistent/parity", c["iterations"], c["shipped"], True, None,
+                         {})
+        for run in plan.runs:
+            try:
+                parsed = parse_check(dirs[c["release"]], c, args=run.command[
+                    len(job.launcher) + 1:], env={k: v for k, v in run.env.items()
+                                                  if k != "PYTHONPATH"})  # the capture's
+                print(f"ok   {c['id']} {run.name}: microbatches={parsed['num_microbatches']} "
+                      + " ".join(f"{k}={parsed[k]}" for k in (
+                          "use_megatron_fsdp", "gradient_accumulation_fusion",
+                          "deterministic_mode", "ckpt_format")))
+            except RuntimeError as exc:
+                failed += 1
+                print(f"FAIL {c['id']} {run.name}: {str(exc)[-1500:]}")
     sys.exit(1 if failed else 0)
 
 
