@@ -22,6 +22,9 @@ if [ -f "$STAGE/te/setup.sh" ] && [ ! -f /tmp/te-setup.rc ] && [ ! -f /tmp/te-se
   # 12 build jobs: 4 of the 16 cores stay with the cases that need no TE
   ( MAX_JOBS=12 TE_WAIT_S=500 bash "$STAGE"/te/setup.sh > /tmp/te-setup.out 2>&1; echo $? > /tmp/te-setup.rc ) &
 fi
+# uninstalled at the end: a later command on this machine (validation/megatron_lm's "shipped"
+# runs) must not find the hotfix loaded by the package's .pth
+trap 'PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip uninstall -q -y mfsdp-hotfix >/dev/null 2>&1' EXIT
 if ! PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-index --no-deps --force-reinstall \
     --find-links "$PWD/$STAGE/whl" . > "$OUT/pip-install.txt" 2>&1; then
   tail -c 3000 "$OUT/pip-install.txt"
