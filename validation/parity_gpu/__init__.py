@@ -24,9 +24,13 @@ The modules, in the order of a call: ``plan`` (the cases, most important first, 
 JSON says), ``driver`` (the cases side by side within the time budget, TE built meanwhile),
 ``record`` (the call's record, rewritten as each case ends), ``tables`` (the table of
 ``docs/PARITY.md`` and the noise floors measured); ``__main__`` is the command line.
+``--check-args`` runs every run of each case as the command plans it (the candidate, the reference
+rewritten to Megatron's DDP, the shipped run) through the release's own
+``parse_and_validate_args`` on the CPU (DIR: the unpacked megatron-core wheel; megatron-core 0.18
+and later import triton, which must be importable there).
 
     python3 validation/parity_gpu --dry                                   # every command line
-    python3 validation/parity_gpu --check-args                            # the releases' parsers
+    python3 validation/parity_gpu --check-args core-0.19.2=DIR            # the release's parser
     bash validation/parity_gpu_call.sh .gpu --releases core-0.19.2        # GPU (one call)
     python3 validation/parity_gpu --report RECORD...                      # the table
 """
