@@ -299,7 +299,8 @@ def exit_statuses() -> dict[str, int]:
     audit = code_constants("audit/verdicts.py")
     out = {name: exits[name] for name in ("USAGE_ERROR", "CHECK_OK", "CHECK_UNFIXED",
                                           "SELFTEST_PASS", "SELFTEST_FAIL", "SELFTEST_CANNOT_RUN",
-                                          "BROKEN_PIPE", "CANNOT_START")}
+                                          "BROKEN_PIPE", "CANNOT_START", "PARITY_MATCH",
+                                          "PARITY_MISMATCH", "PARITY_CANNOT_COMPARE")}
     out.update({name: tree[name] for name in ("NOT_A_FOLDER", "NOTHING_FOUND")})
     out.update({verdict: code for verdict, (_, _, code) in audit["VERDICTS"].items()})
     out["SIGNALLED"] = audit["SIGNALLED"]
@@ -1106,6 +1107,12 @@ claim("docs/CLI.md", "COMMAND's status when it failed ({} + N after signal N); e
       "nothing or not everything was checked", EXITS,
       lambda e: (e["SIGNALLED"], only((e["UNWATCHED"], e["INCOMPLETE"], e["NOT CHECKED"],
                                        e["UNWRITABLE"], e["NO DATA"]))))
+claim("docs/CLI.md", "| {} for (a run crashed, hung past", EXITS,
+      lambda e: (e["PARITY_CANNOT_COMPARE"],))
+claim("docs/CLI.md", "too coarse to decide); {}: the launcher cannot be started; {} + N after "
+      "signal N", EXITS, lambda e: (e["CANNOT_START"], e["SIGNALLED"]))
+claim("docs/CLI.md", "(at most {} characters: the verdict and the one thing to do)",
+      "code mfsdp_hotfix/parity/verdict_text.py", lambda c: (c["FIRST_LINE"],))
 claim("docs/AUDIT.md", "**Exit status.** {} only for the verdict", EXITS, lambda e: (e["ordered"],))
 claim("docs/STATUS_PATH.md", "| {} | the copies were judged (with", EXITS,
       lambda e: (e["CHECK_OK"],))

@@ -374,7 +374,8 @@ def test_no_command_lists_the_commands_one_line_each() -> None:
     proc = run_python("", args=("-c", NO_TORCH), env={"COLUMNS": "100"})
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout
     listed = re.findall(r"^    (\S+) +\S", proc.stderr, re.M)
-    assert listed == ["status", "selftest", "run", "audit", "bootstrap-path", "help"], proc.stderr
+    assert listed == ["status", "selftest", "run", "audit", "parity", "bootstrap-path", "help"], (
+        proc.stderr)
     assert proc.stderr.rstrip().endswith("'mfsdp-hotfix help COMMAND' shows its options)")
 
 
@@ -432,6 +433,8 @@ def test_one_table_lists_every_exit_status_of_every_command() -> None:
         "selftest": {exits.SELFTEST_PASS, exits.SELFTEST_FAIL, exits.SELFTEST_CANNOT_RUN},
         "run": {exits.CANNOT_START},
         "audit": {0, exits.CANNOT_START, *(status for _, _, status in VERDICTS.values())},
+        "parity": {exits.PARITY_MATCH, exits.PARITY_MISMATCH, exits.PARITY_CANNOT_COMPARE,
+                   exits.CANNOT_START},
     }
     assert documented["any"] >= {exits.USAGE_ERROR, exits.BROKEN_PIPE}
     for command, statuses in code.items():

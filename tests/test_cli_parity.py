@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_python
+from parity.live import alive
 
 from mfsdp_hotfix.commands import exits
 
@@ -74,13 +75,6 @@ def test_a_run_that_crashes_or_prints_nothing_cannot_be_compared(tmp_path: Path,
         assert "torch.OutOfMemoryError: CUDA out of memory." in proc.stdout  # its last lines
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 def pids(path: Path) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
@@ -88,7 +82,7 @@ def pids(path: Path) -> list[int]:
 
 def test_a_hang_is_ended_at_the_timeout_with_every_process(tmp_path: Path) -> None:
     record = tmp_path / "pids"
-    proc = parity(tmp_path, "--timeout", "4",
+    proc = parity(tmp_path, "--timeout", "2",
                   env={"PARITY_STANDIN": "hang", "PARITY_STANDIN_PIDS": str(record)})
     assert proc.returncode == exits.PARITY_CANNOT_COMPARE, proc.stdout + proc.stderr
     assert "hung: no end within" in proc.stdout and "last iteration 1" in proc.stdout
@@ -192,13 +186,70 @@ def test_a_signal_ends_every_process_of_the_runs(tmp_path: Path, sig: int, statu
 
 
 def test_a_closed_pipe_ends_every_process_of_the_runs(tmp_path: Path) -> None:
-    """``parity ... 2>&1 | head -3``: the progress line after the reader left ends it all."""
+    """``parity ... 2>&1 | head -3``: the reader leaves while a run hangs, printing nothing;
+    parity sees the pipe closed within its next poll and ends it all."""
     child, record = start(tmp_path, "2>&1")
     wait_for_iteration(child)
     assert child.stdout is not None
     child.stdout.close()
-    deadline = time.monotonic() + 120
-    while child.poll() is None and time.monotonic() < deadline:
+    began = time.monotonic()
+    while child.poll() is None and time.monotonic() < began + 120:
         time.sleep(0.2)
-    assert child.returncode == exits.BROKEN_PIPE
+    assert child.returncode == exits.BROKEN_PIPE and time.monotonic() - began < 30
     assert len(pids(record)) == 3 and not any(alive(pid) for pid in pids(record))
+
+
+def test_through_torchrun_each_run_is_one_launch_of_the_users_command(tmp_path: Path) -> None:
+    """Two ranks under torchrun (python -m torch.distributed.run), as a user launches them; the
+    last rank prints, as Megatron-LM's does."""
+    pytest.importorskip("torch")
+    job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(STANDIN), *MEGATRON_FSDP]
+    proc = parity(tmp_path, command=job)
+    assert proc.returncode == exits.PARITY_MATCH, proc.stdout + proc.stderr
+    assert "torch.distributed.run --standalone --nproc-per-node 2" in (
+        tmp_path / "out" / "reference" / "command.txt").read_text()
+
+
+def test_the_exit_statuses_are_distinct_and_each_verdict_has_one() -> None:
+    from mfsdp_hotfix.commands.parity import VERDICT_STATUS
+    from mfsdp_hotfix.parity.comparison import Verdict
+
+    assert set(VERDICT_STATUS) == {verdict.value for verdict in Verdict}
+    assert len({*VERDICT_STATUS.values(), exits.USAGE_ERROR, exits.CANNOT_START}) == 5
+
+
+def test_usage_tabulates_every_verdict() -> None:
+    usage = (REPO / "docs" / "USAGE.md").read_text()
+    table = usage.split("| verdict | meaning |", 1)[1].split("\n\n", 1)[0]
+    from mfsdp_hotfix.parity.comparison import Verdict
+    assert [row.split("`")[1] for row in table.splitlines()[2:]] == [v.value for v in Verdict]
+
+
+def test_compare_two_logs_reads_the_precision_from_the_logs(tmp_path: Path) -> None:
+    logs = []
+    for name, norm in (("reference", "2.100"), ("candidate", "2.134")):
+        text = "  bf16 ............................................ True\n" + "".join(
+            f" [2026-12-07 03:00:00.000000] iteration {n:8d}/       2 | lm loss: 9.132906E+00 | "
+            f"grad norm: {norm} | number of skipped iterations:   0 | number of nan "
+            "iterations:   0 |\n" for n in (1, 2))
+        (tmp_path / name).write_text(text)
+        logs.append(str(tmp_path / name))
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "parity", "--compare", *logs))
+    assert proc.returncode == exits.PARITY_MISMATCH, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("MISMATCH at iteration 1: grad norm 1.6 % off")
+    (tmp_path / "plain").write_text((tmp_path / "reference").read_text().split("\n", 1)[1])
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "parity", "--compare", logs[0],
+                                str(tmp_path / "plain")))
+    assert proc.returncode == exits.PARITY_CANNOT_COMPARE and "give --precision" in proc.stdout
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "parity", "--compare", logs[0],
+                                str(tmp_path / "plain"), "--precision", "bf16"))
+    assert proc.returncode == exits.PARITY_MATCH, proc.stdout
+
+
+def test_the_docs_state_the_defaults_the_code_has() -> None:
+    from mfsdp_hotfix.commands.parity import DEFAULT_ITERS, DEFAULT_TIMEOUT
+
+    text = " ".join((REPO / "docs" / "PARITY.md").read_text().split())
+    assert f"(default `{DEFAULT_TIMEOUT:.0f}`)" in text
+    assert f"(default `--iters {DEFAULT_ITERS}`" in text

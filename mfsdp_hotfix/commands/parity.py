@@ -12,13 +12,16 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from ..audit.verdicts import SIGNALLED
 from ..parity.floors import FLOORS
 from .audit import make_folders
 from .exits import CANNOT_START, PARITY_CANNOT_COMPARE, PARITY_MATCH, PARITY_MISMATCH, USAGE_ERROR
+from .output import reader_gone
 from .run import add_command_argument, command_after_dashes
 
 NAME = "parity"
@@ -32,8 +35,9 @@ DESCRIPTION = ("Run LAUNCH COMMAND (torchrun/srun/python ... pretrain_gpt.py ARG
                "data, MFSDP_HOTFIX=0). Every loss and the grad norm of every iteration are "
                "compared; the first line says MATCH, MISMATCH or CANNOT COMPARE. Every output "
                "of the runs goes into DIR; the user's checkpoint, TensorBoard and data folders "
-               "are never written. Exit status: 0 MATCH, 1 MISMATCH, 4 CANNOT COMPARE, 2 when "
-               "nothing was run (a usage error or a command parity refuses).")
+               f"are never written. Exit status: {PARITY_MATCH} MATCH, {PARITY_MISMATCH} "
+               f"MISMATCH, {PARITY_CANNOT_COMPARE} CANNOT COMPARE, {USAGE_ERROR} when nothing "
+               "was run (a usage error or a command parity refuses).")
 VERDICT_STATUS = {"MATCH": PARITY_MATCH, "MISMATCH": PARITY_MISMATCH,
                   "CANNOT COMPARE": PARITY_CANNOT_COMPARE}
 DEFAULT_ITERS, DEFAULT_TIMEOUT = 3, 1800.0
@@ -46,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=_positive, default=DEFAULT_ITERS, metavar="N",
                         help=f"iterations per run (default {DEFAULT_ITERS}); with --load, past "
                              "the checkpoint's iteration")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+    parser.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="S",
                         help=f"seconds each run may take before it counts as hung and is "
                              f"ended (default {DEFAULT_TIMEOUT:.0f})")
     parser.add_argument("--with-shipped", action="store_true",
@@ -69,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --compare: the precision the logs were trained in (read "
                              "from Megatron-LM's argument dump in the logs when not given)")
     add_command_argument(parser)
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -161,16 +172,16 @@ def _run_plan(plan: Any, args: argparse.Namespace) -> int:
                 try:
                     outcomes[each.name] = launch(each.command, dict(os.environ, **each.env),
                                                  each.log, args.timeout, say, each.name,
-                                                 plan.last)
+                                                 plan.last, reader_gone)
                 except OSError as exc:
                     print(f"mfsdp-hotfix parity: cannot start {each.command[0]!r}: {exc}",
                           file=sys.stderr)
                     return CANNOT_START
                 say(_ended(each.name, outcomes[each.name]))
         except KeyboardInterrupt:
-            return _stopped("SIGINT (Ctrl-C)", 130, args.out)
+            return _stopped("SIGINT (Ctrl-C)", SIGNALLED + signal.SIGINT, args.out)
         except Stopped as exc:
-            return _stopped(str(exc), 128 + exc.signum, args.out)
+            return _stopped(str(exc), SIGNALLED + exc.signum, args.out)
     return _verdict(plan, outcomes, args)
 
 

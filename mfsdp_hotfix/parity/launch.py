@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import os
 import queue
 import signal
@@ -56,6 +57,18 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP wait while inside (and arrive after): starting a run and
+    ending its tree must not be cut short by a second Ctrl-C or a ``timeout``'s SIGTERM."""
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 @dataclass(frozen=True)
 class Outcome:
     """How a run ended: ``status`` (None when parity ended it: timeout), its last lines."""
@@ -68,6 +81,14 @@ class Outcome:
     log: str
 
 
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _start_time(pid: int) -> str | None:
     """The process's start time (field 22 of /proc/PID/stat): a pid seen earlier is the same
     process only while this is unchanged."""
@@ -78,22 +99,60 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-class Tree:
-    """Every process of one run: the launcher and whatever was seen under it."""
+def adopt_orphans() -> None:
+    """Make this process the child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``): a rank whose
+    launcher exits before the tree was last read is re-parented here, not to PID 1, and so
+    still found. Elsewhere nothing changes (the tree is then read as before)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
-    def __init__(self, pid: int) -> None:
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _children(pid: int) -> set[int]:
+    return {each for each in descendants(pid) if _parent(each) == pid}
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Tree:
+    """Every process of one run: the launcher, whatever was seen under it, and the orphans
+    re-parented to this process (``adopt_orphans``) while the run went on."""
+
+    def __init__(self, launcher: subprocess.Popen[bytes]) -> None:
+        self.launcher, pid = launcher, launcher.pid
         self.pid = pid
         self.seen: dict[int, str] = {}
+        self.before = _children(os.getpid()) - {pid}  # children not of this run
+        self.adopted: set[int] = set()
         self.look()
 
     def look(self) -> None:
-        for pid in [self.pid, *descendants(self.pid)]:
-            start = _start_time(pid)
-            if start is not None:
-                self.seen.setdefault(pid, start)
+        orphans = _children(os.getpid()) - self.before - {self.pid}
+        self.adopted |= orphans
+        for root in [self.pid, *orphans]:
+            for pid in [root, *descendants(root)]:
+                start = _start_time(pid)
+                if start is not None:
+                    self.seen.setdefault(pid, start)
+
+    def reap(self) -> None:
+        """Collect the exit of the orphans that became this process's children."""
+        for pid in self.adopted:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
 
     def alive(self) -> list[int]:
-        return [pid for pid, start in self.seen.items() if _start_time(pid) == start]
+        """The processes of the run still running (a zombie has ended)."""
+        return [pid for pid, start in self.seen.items()
+                if _start_time(pid) == start and not _zombie(pid)]
 
     def end(self) -> None:
         """SIGTERM to every process of the tree (and the run's process group), SIGKILL to
@@ -107,8 +166,8 @@ class Tree:
                 os.killpg(self.pid, sig)
             deadline = time.monotonic() + (GRACE_SECONDS if sig == signal.SIGTERM else 1.0)
             while self.alive() and time.monotonic() < deadline:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(self.pid, os.WNOHANG)
+                self.launcher.poll()  # collects its exit status, as Popen keeps it
+                self.reap()
                 time.sleep(0.05)
             if not self.alive():
                 return
@@ -153,29 +212,34 @@ class _Follow:
 
 
 def run(command: Sequence[str], env: Mapping[str, str], log_path: str, timeout: float,
-        say: Callable[[str], None], label: str, last: int) -> Outcome:
+        say: Callable[[str], None], label: str, last: int,
+        reader_gone: Callable[[], bool] = lambda: False) -> Outcome:
     """Run ``command`` once, its output into ``log_path``; ``say`` gets the progress lines
-    (``label``: which run; ``last``: the last iteration it should reach)."""
+    (``label``: which run; ``last``: the last iteration it should reach); ``reader_gone``
+    true ends it as a closed pipe does (BrokenPipeError)."""
     follow = _Follow(say, label, last)
     timed_out = False
+    adopt_orphans()
     with open(log_path, "wb") as log:
-        child = subprocess.Popen(list(command), env=dict(env), stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-        tree = Tree(child.pid)
+        with signals_held():
+            child = subprocess.Popen(list(command), env=dict(env), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+            tree = Tree(child)
         try:
             lines: queue.Queue[str | None] = queue.Queue()
             threading.Thread(target=_read, args=(child.stdout, lines, log), daemon=True).start()
-            timed_out = _follow(child, tree, lines, follow, timeout)
+            timed_out = _follow(child, tree, lines, follow, timeout, reader_gone)
         finally:
-            tree.end()
-            child.wait()
+            with signals_held():
+                tree.end()
+                child.wait()
     return Outcome(None if timed_out else child.returncode, follow.elapsed(), timed_out,
                    follow.iteration, list(follow.tail), log_path)
 
 
 def _follow(child: subprocess.Popen[bytes], tree: Tree, lines: queue.Queue[str | None],
-            follow: _Follow, timeout: float) -> bool:
+            follow: _Follow, timeout: float, reader_gone: Callable[[], bool]) -> bool:
     """Follow the run until it ends (its launcher exited and its output closed, or the output
     stays open ``GRACE_SECONDS`` after the launcher exited); True when it ran past
     ``timeout``."""
@@ -188,6 +252,8 @@ def _follow(child: subprocess.Popen[bytes], tree: Tree, lines: queue.Queue[str |
         if closed:
             time.sleep(POLL_SECONDS / 5)
         tree.look()
+        if reader_gone():
+            raise BrokenPipeError("the reader of parity's output went away")
         if line is None:
             closed = True
         elif line:

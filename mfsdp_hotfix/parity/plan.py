@@ -184,6 +184,8 @@ def make_plan(job: JobCommand, out: str, iters: int, with_shipped: bool,
                                            dict(env, **run_env)))
         runs.append(Run(name, job.with_args(run_args), run_env, folder))
     notes += candidate_notes + output_notes
+    if env.get("MFSDP_HOTFIX") == "0":
+        notes.append("MFSDP_HOTFIX=0 is set here: the candidate runs without the hotfix too")
     return Plan(runs, first, last, notes, reference_notes, layers)
 
 

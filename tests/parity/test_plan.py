@@ -104,3 +104,9 @@ def test_shrink_is_refused_where_it_would_break_the_layout(args: list[str], laye
                                                            reason: str) -> None:
     with pytest.raises(Refused, match=reason):
         shrink(args, layers)
+
+
+def test_a_hotfix_switched_off_in_the_environment_is_said() -> None:
+    assert any("candidate runs without the hotfix" in note
+               for note in plan_of(env={"MFSDP_HOTFIX": "0"}).every_run)
+    assert not any("without the hotfix" in note for note in plan_of().every_run)

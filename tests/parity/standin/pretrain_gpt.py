@@ -58,9 +58,11 @@ def main():
             cache = value("--data-cache-path") or os.path.join(os.path.dirname(data), "cache")
             write(cache, "GPTDataset_indices.npy", "index")
     shipped = "--use-megatron-fsdp" in sys.argv and os.environ.get("MFSDP_HOTFIX") == "0"
+    # Megatron-LM prints training_log from the last rank only (print_rank_last).
+    printing = os.environ.get("RANK", "0") == str(int(os.environ.get("WORLD_SIZE", "1")) - 1)
     print("> building GPT model ...", flush=True)
     for iteration in range(start + 1, last + 1):
-        if mode == "silent":
+        if mode == "silent" or not printing:
             continue
         loss = 10.0 - 0.1 * iteration + 0.001 * (seed % 7) + 0.01 * layers
         norm = (2.0 + 0.1 * iteration) * (1.016 if shipped else 1.0)
