@@ -269,7 +269,8 @@ def _gate_sources(copy: Copy, buffer_file: Path) -> dict[str, str | None]:
     module's hook runs before the model module exists). A gate in the copy's own package: None
     where its file or function cannot be read. A gate in megatron-core outside Megatron-FSDP:
     nothing (not in this copy's tree) for a copy outside megatron-core or a tree without that
-    package; None where the package is there but the function cannot be read."""
+    package; None where the package is there but the function cannot be read. A gate missing
+    from a module that never names its fix's ``gate_absent_unless_named``: nothing."""
     root = Path(_sys_path_entry(copy, str(buffer_file.parent)))
     sources: dict[str, str | None] = {}
     for qualname, where in fix_catalogue.GATE_MODULES.items():
@@ -281,7 +282,11 @@ def _gate_sources(copy: Copy, buffer_file: Path) -> dict[str, str | None]:
             continue
         try:
             sources[qualname] = fingerprints.parse_file(path).source(qualname)
-        except (KeyError, fingerprints.SourceUnavailable):
+        except KeyError:
+            word = fix_catalogue.GATE_ABSENT_UNLESS_NAMED.get(qualname)
+            if word is None or word in path.read_text(errors="replace"):
+                sources[qualname] = None
+        except fingerprints.SourceUnavailable:
             sources[qualname] = None
     return sources
 

@@ -71,7 +71,10 @@ class Fix:
     unverified, not the copy refused; a gate whose code is not in the copy's tree at all
     (megatron-core's linear beside megatron-fsdp): not needed. A gate the registry does not
     declare (:data:`~mfsdp_hotfix.registry.GATE_MODULES`) is declared here: ``gate_module``
-    where it is read (as ``target``) and ``gate_shapes`` its known shapes.
+    where it is read (as ``target``) and ``gate_shapes`` its known shapes;
+    ``gate_absent_unless_named``: a gate missing from a module that never names this word is
+    not in the copy's tree (the releases before it: nothing there can do what the fix undoes),
+    a gate missing from a module that names it is an unknown shape.
     ``reductions``: buffer-module functions of which at least one must reduce
     (:attr:`~mfsdp_hotfix.registry.Shape.reduces`) for the fix to be needed; an unknown shape
     there: unverified.
@@ -94,6 +97,7 @@ class Fix:
     only_unordered: bool = False  # not needed where the getter and drain form era "none"
     gate_module: str | None = None
     gate_shapes: tuple[Shape, ...] = ()
+    gate_absent_unless_named: str = ""
     defect: ReleaseDefect | None = None
     limits: tuple[Limit, ...] = ()
     on_failure: OnFailure = OnFailure.SWITCH_OFF
@@ -370,6 +374,8 @@ GATE_MODULES = {**registry.GATE_MODULES,
                 **{fix.gate: fix.gate_module for fix in FIXES if fix.gate and fix.gate_module}}
 SHAPES = {**registry.SHAPES,
           **{fix.gate: fix.gate_shapes for fix in FIXES if fix.gate and fix.gate_shapes}}
+GATE_ABSENT_UNLESS_NAMED = {fix.gate: fix.gate_absent_unless_named for fix in FIXES
+                            if fix.gate and fix.gate_absent_unless_named}
 # Each fix's limits, marked with the fix that declares them.
 FIX_LIMITS = tuple(replace(limit, fix=fix.id) for fix in FIXES for limit in fix.limits)
 

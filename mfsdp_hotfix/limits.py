@@ -32,8 +32,9 @@ class Limit:
 
     configuration: str
     matches: Callable[[Any], bool]  # the MegatronFSDP just built -> in this configuration?
-    failure: str  # without the fix; "{defect}" is the copy's era defect
-    workaround: str
+    failure: str  # without the fix; "{defect}" is the copy's era defect; "" on a release
+    #               defect: its symptom
+    workaround: str  # "" on a release defect: its workarounds
     reduction: str | None = None
     repaired: bool = True
     fix: str | None = None  # the fix that declares it
