@@ -215,9 +215,10 @@ def _handle(module: ModuleType, late: bool) -> None:
                     if late:
                         _repair_existing(record, module)
                 # ``import megatron.core`` loads the fused linear before Megatron-FSDP: another
-                # module is patched once the copy is detected, from whichever hook runs last.
+                # module is patched once the copy is detected, from whichever hook runs last
+                # (its own runs once its body has run).
                 for target, other in others:
-                    if _fully_imported(other):
+                    if other == name or _fully_imported(other):
                         _apply_fixes(record, copy, target)
 
 
