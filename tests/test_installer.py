@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import releases
-from conftest import run_python
+from conftest import FixStates, run_python
 
 REPORT = """
 import json, sys
@@ -36,7 +36,7 @@ def report(proc: subprocess.CompletedProcess[str]) -> dict:
 
 def fixes(data: dict, package: str = "megatron_fsdp") -> dict[str, str]:
     copy = next(c for c in data["status"]["copies"] if c["package"] == package)
-    return {fix: state["state"] for fix, state in copy["fixes"].items()}
+    return FixStates({fix: state["state"] for fix, state in copy["fixes"].items()})
 
 
 @pytest.fixture(scope="module")
