@@ -7,6 +7,7 @@ and the release defects read it from here)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -187,11 +188,7 @@ ZERO1_FUSED_WGRAD_OVERWRITE = ReleaseDefect(
      "fused wgrad accumulation off (gradient_accumulation_fusion=False)",
      "one microbatch per optimizer step"),
     ZERO1_UPSTREAM,
-    "MoE experts through TransformerEngine's op fuser set overwrite_main_grad = True again in "
-    "their forward pre-hook: not repaired, use a workaround there. megatron-core's own fused "
-    "linear (tensor_parallel/layers.py: the GPT output layer, every layer with "
-    "--transformer-impl local) overwrites main_grad whatever overwrite_main_grad says: that is "
-    "the release defect core-linear-fused-wgrad-overwrite, repaired by core-linear-accumulate",
+    "",
 )
 ZERO1_ACCUMULATE = Fix(
     "zero1-accumulate",
@@ -362,11 +359,83 @@ CORE_LINEAR_ACCUMULATE = Fix(
     stop_because="let megatron-core's fused linear overwrite the ZeRO-1 gradients of every "
                  "later microbatch",
 )
+EXPERTS_MODULE = "megatron.core.transformer.moe.experts"
+ENSURE_MAIN_GRAD = "TEGroupedMLP._ensure_main_grad"
+EXPERT_UPSTREAM = ("not fixed upstream as of megatron-core 0.19.2 and NVIDIA main d98e8a64dd "
+                   "(NVIDIA/Megatron-LM#6773 does not touch transformer/moe/experts.py)")
+MOE_OP_FUSER_WGRAD_OVERWRITE = ReleaseDefect(
+    "moe-op-fuser-wgrad-overwrite",
+    "expert-accumulate",
+    {"megatron-core": "0.19.0-0.19.2"},
+    "any megatron-core tree whose TEGroupedMLP._ensure_main_grad sets "
+    "param.overwrite_main_grad = True (NVIDIA main as of d98e8a64dd, forks based on those "
+    "releases)",
+    "MoE experts through TransformerEngine's op fuser (--use-transformer-engine-op-fuser "
+    "--moe-grouped-gemm, TransformerEngine >= 2.14, expert tensor-parallel 1, SwiGLU, "
+    "quick-GeGLU or weighted squared-ReLU with its fusion on) with fused wgrad accumulation and "
+    "2 or more microbatches per step, where Megatron-FSDP says to add into main_grad: ZeRO-1 "
+    "(with zero1-accumulate or NVIDIA/Megatron-LM#6357), and ZeRO-2/3 experts whose expert "
+    "data-parallel group has one rank (with single-rank-reduce)",
+    "silently wrong gradients: the experts' fused pre-forward hook sets overwrite_main_grad = "
+    "True on every expert weight after Megatron-FSDP's own hooks have decided it, so "
+    "TransformerEngine's GroupedLinear op overwrites main_grad and the step keeps only the last "
+    "microbatch's expert weight gradients",
+    ("the experts without the op fuser (no --use-transformer-engine-op-fuser)",
+     "ZeRO-2 or ZeRO-3 with an expert data-parallel group of 2 or more ranks",
+     "one microbatch per optimizer step"),
+    EXPERT_UPSTREAM,
+    "",
+)
+
+
+def _op_fused_experts(model: object) -> bool:
+    """Whether the module a built ``MegatronFSDP`` wraps holds a ``TEGroupedMLP`` running
+    through TransformerEngine's op fuser (none where megatron-core's experts are not imported)."""
+    experts = sys.modules.get(EXPERTS_MODULE)
+    grouped = getattr(experts, "TEGroupedMLP", None)
+    return grouped is not None and any(
+        isinstance(child, grouped) and getattr(child, "_with_fused_impl", True)
+        for child in model.module.modules())  # type: ignore[attr-defined]
+
+
+EXPERT_ACCUMULATE = Fix(
+    "expert-accumulate",
+    "MoE experts through TransformerEngine's op fuser keep the overwrite_main_grad Megatron-FSDP "
+    "decided for its parameters: TEGroupedMLP._ensure_main_grad no longer sets it True on them, "
+    "so their fused wgrad adds into main_grad where Megatron-FSDP says to",
+    "expert_accumulate", EXPERTS_MODULE,
+    "no TEGroupedMLP._ensure_main_grad in this copy's tree (a copy outside megatron-core, or a "
+    "release before 0.19 whose experts never name overwrite_main_grad), or it leaves "
+    "overwrite_main_grad alone",
+    EXPERT_UPSTREAM,
+    gate=ENSURE_MAIN_GRAD, gate_module=EXPERTS_MODULE,
+    gate_shapes=(
+        # megatron-core 0.19.0-0.19.2 and NVIDIA main d98e8a64dd: one text.
+        Shape("0.19", "3e5cfbcb62e44febfb3b8eac5094a8078a631b55ff4d792aac9226092cb18980",
+              needs=frozenset({"expert-accumulate"})),
+        Shape("sets overwrite_main_grad = True", structure="always_overwrites_main_grad",
+              needs=frozenset({"expert-accumulate"})),
+        Shape("leaves overwrite_main_grad", structure="leaves_overwrite_main_grad",
+              note="leaves Megatron-FSDP's overwrite_main_grad alone")),
+    gate_absent_unless_named="overwrite_main_grad",
+    defect=MOE_OP_FUSER_WGRAD_OVERWRITE,
+    limits=(Limit("ZeRO-1 (optim), or ZeRO-2/3 with a one-rank gradient group, with MoE "
+                  "experts through TransformerEngine's op fuser (TEGroupedMLP, "
+                  "use_transformer_engine_op_fuser)",
+                  lambda model: ((model.ddp_config.data_parallel_sharding_strategy == "optim"
+                                  or (sharded(model) and has_one_rank_gradient_group(model)))
+                                 and _op_fused_experts(model)),
+                  MOE_OP_FUSER_WGRAD_OVERWRITE.symptom + ", with 2 or more microbatches per step",
+                  " or ".join(MOE_OP_FUSER_WGRAD_OVERWRITE.workarounds)),),
+    on_failure=OnFailure.STOP,
+    stop_because="let the experts' fused wgrad overwrite the gradients of every later "
+                 "microbatch",
+)
 # The double buffer's fixes (the eras); the others repair release defects outside it and rest on
 # none of the double buffer's functions, so they apply to a copy refused for those.
 DOUBLE_BUFFER_FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
 FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE, REDUCE_ONCE, SINGLE_RANK_REDUCE,
-         CORE_LINEAR_ACCUMULATE)
+         CORE_LINEAR_ACCUMULATE, EXPERT_ACCUMULATE)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
 # Every gate: where it is read (``Copy.module``) and its known shapes, the registry's and those a
 # fix declares.
