@@ -110,6 +110,11 @@ def _has_defect(limit: Limit, found: Detection, state: str | None) -> bool:
     reduction it needs does reduce, or its shape is unknown."""
     if state is None or (limit.repaired and state == FixState.NOT_NEEDED):
         return False
+    if limit.shape is not None:
+        function, name = limit.shape
+        has = found.shapes.get(function)
+        if function in found.shapes and has is not None and has.name != name:
+            return False
     if limit.reduction is None:
         return True
     shape = found.shapes.get(limit.reduction)

@@ -334,7 +334,8 @@ CORE_LINEAR_FUSED_WGRAD_OVERWRITE = ReleaseDefect(
      "one microbatch per optimizer step"),
     CORE_LINEAR_UPSTREAM,
     "megatron-core 0.14.0, whose Megatron-FSDP sets no overwrite_main_grad, so the fix has "
-    "nothing to follow there: its ZeRO-1 through these layers stays wrong, use a workaround",
+    "nothing to follow there: its ZeRO-1 through these layers stays wrong, and building such a "
+    "model is refused (UnsupportedConfiguration); use a workaround",
 )
 CORE_LINEAR_ACCUMULATE = Fix(
     "core-linear-accumulate",
@@ -354,7 +355,18 @@ CORE_LINEAR_ACCUMULATE = Fix(
                                  and fused_core_linears(model)),
                   CORE_LINEAR_FUSED_WGRAD_OVERWRITE.symptom
                   + ", with 2 or more microbatches per step",
-                  " or ".join(CORE_LINEAR_FUSED_WGRAD_OVERWRITE.workarounds)),),
+                  " or ".join(CORE_LINEAR_FUSED_WGRAD_OVERWRITE.workarounds)),
+            # The defect's "not covered": a Megatron-FSDP that sets no overwrite_main_grad gives
+            # the fix nothing to follow.
+            Limit("ZeRO-1 (optim) with megatron-core's own linear layers and "
+                  "gradient_accumulation_fusion, on a Megatron-FSDP that sets no "
+                  "overwrite_main_grad (megatron-core 0.14.0)",
+                  lambda model: (model.ddp_config.data_parallel_sharding_strategy == "optim"
+                                 and fused_core_linears(model)),
+                  CORE_LINEAR_FUSED_WGRAD_OVERWRITE.symptom
+                  + ", with 2 or more microbatches per step",
+                  " or ".join(CORE_LINEAR_FUSED_WGRAD_OVERWRITE.workarounds),
+                  repaired=False, shape=(OVERWRITE_SETTER, "0.14"))),
     on_failure=OnFailure.STOP,
     stop_because="let megatron-core's fused linear overwrite the ZeRO-1 gradients of every "
                  "later microbatch",

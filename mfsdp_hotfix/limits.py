@@ -24,6 +24,9 @@ class Limit:
     needs to reduce; a copy whose code skips every buffer there does not have it.
     ``repaired`` False: no state of the fix makes the configuration right (neither the shipped
     code nor the fixed one): it is refused whatever that state, except with the hotfix off.
+    ``shape``: a configuration that stays wrong only where one of the copy's functions has one
+    shape (megatron-core 0.14.0's Megatron-FSDP, which sets no ``overwrite_main_grad``), so
+    that a defect's "not covered" case is a limit, not only words.
     ``matches`` may read the built model's buffers and groups; where it cannot (a fork's
     model), the model counts as in the configuration.
     ``fix`` and ``defect`` are filled in from the declaration the limit is part of
@@ -37,6 +40,8 @@ class Limit:
     workaround: str  # "" on a release defect: its workarounds
     reduction: str | None = None
     repaired: bool = True
+    shape: tuple[str, str] | None = None  # (function, shape name): only copies whose function
+    #                                       has that shape, or an unknown one, are limited
     fix: str | None = None  # the fix that declares it
     defect: Any = None  # the ReleaseDefect (``defects.py``) no fix repairs that declares it
 
