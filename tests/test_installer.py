@@ -73,7 +73,7 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
     assert (before["hotfix"], before["loaded_via"]) == ("armed", "import")
     (copy,) = before["copies"]
     assert copy["imported"] is False
-    assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
+    assert FixStates({fix: state["state"] for fix, state in copy["fixes"].items()}) == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
