@@ -108,8 +108,8 @@ def _has_defect(limit: Limit, found: Detection, state: str | None) -> bool:
     """Whether this copy has the defect ``limit`` is about: its fix is judged for the copy
     (and needed or possibly needed, for a defect the fix repairs), and the synchronous
     reduction it needs does reduce, or its shape is unknown."""
-    if state is None or (limit.repaired and state == FixState.NOT_NEEDED):
-        return False
+    if state is None or ((limit.repaired or limit.shape) and state == FixState.NOT_NEEDED):
+        return False  # a shape-bound limit is about a copy whose code has the defect
     if limit.shape is not None:
         function, name = limit.shape
         has = found.shapes.get(function)
