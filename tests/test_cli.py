@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REFUSES_HSDP, run_python
+from conftest import REFUSES_HSDP, FixStates, run_python
 
 from mfsdp_hotfix import bootstrap, reporting
 
@@ -53,7 +53,7 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
     assert copy["package"] == "megatron_fsdp" and copy["version"] == "0.5.1"
     assert copy["era"] == "B" and copy["refused"] is False and copy["imported"] is False
     assert set(copy["fingerprints"]) == set(copy["shapes"])
-    assert {k: v["state"] for k, v in copy["fixes"].items()} == {
+    assert FixStates({k: v["state"] for k, v in copy["fixes"].items()}) == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
@@ -127,7 +127,7 @@ def test_switched_off_says_off_everywhere(fsdp_release) -> None:
     the copy does not need stays "not needed"."""
     _, data = status(fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"})
     assert data["hotfix"] == "off"
-    assert {k: fix["state"] for k, fix in data["copies"][0]["fixes"].items()} == {
+    assert FixStates({k: fix["state"] for k, fix in data["copies"][0]["fixes"].items()}) == {
         "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed",
         "zero1-accumulate": "off",
         "reduce-once": "off", "single-rank-reduce": "off", "core-linear-accumulate": "not needed"}
@@ -240,7 +240,7 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
     assert "refused" in data["unfixed"][0]
     # the fixes that rest on none of the refused code would still apply, and the copy's
     # release defects are listed
-    fixes = {fix: state["state"] for fix, state in data["copies"][0]["fixes"].items()}
+    fixes = FixStates({fix: state["state"] for fix, state in data["copies"][0]["fixes"].items()})
     assert fixes == {"getter-guard": "refused", "ordered-drain": "refused",
                      "missed-post-backward": "not needed", "zero1-accumulate": "would apply",
                      "reduce-once": "would apply", "single-rank-reduce": "would apply",
@@ -461,7 +461,7 @@ def test_a_refused_copy_is_told_what_still_applies_what_is_left_and_each_workaro
         refused_023: Path) -> None:
     code, data = status(Path(ARMED), refused_023)
     (copy,) = data["copies"]
-    assert copy["refused"] and {k: v["state"] for k, v in copy["fixes"].items()} == {
+    assert copy["refused"] and FixStates({k: v["state"] for k, v in copy["fixes"].items()}) == {
         "getter-guard": "refused", "ordered-drain": "refused",
         "missed-post-backward": "would apply", "zero1-accumulate": "would apply",
         "reduce-once": "not needed", "single-rank-reduce": "would apply",

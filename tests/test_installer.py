@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import releases
-from conftest import run_python
+from conftest import FixStates, run_python
 
 REPORT = """
 import json, sys
@@ -36,7 +36,7 @@ def report(proc: subprocess.CompletedProcess[str]) -> dict:
 
 def fixes(data: dict, package: str = "megatron_fsdp") -> dict[str, str]:
     copy = next(c for c in data["status"]["copies"] if c["package"] == package)
-    return {fix: state["state"] for fix, state in copy["fixes"].items()}
+    return FixStates({fix: state["state"] for fix, state in copy["fixes"].items()})
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
     assert (before["hotfix"], before["loaded_via"]) == ("armed", "import")
     (copy,) = before["copies"]
     assert copy["imported"] is False
-    assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
+    assert FixStates({fix: state["state"] for fix, state in copy["fixes"].items()}) == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import releases
 import snapshots
-from conftest import run_python
+from conftest import FixStates, run_python
 
 from mfsdp_hotfix import detection, fingerprints, fix_catalogue, registry
 from mfsdp_hotfix.structure import double_buffer
@@ -131,7 +131,7 @@ def test_status_says_which_function_matched_which_shape_and_how(tmp_path: Path) 
         "shape": "0.19", "matched_by": "fingerprint",
         "as_shipped_in": "megatron-core 0.19.0-0.19.2, megatron-fsdp 0.6.0-0.6.1",
         "implies": "waits on rs_stream, keeps 2 units live"}
-    assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
+    assert FixStates({fix: state["state"] for fix, state in copy["fixes"].items()}) == {
         "getter-guard": "not needed", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
@@ -150,7 +150,7 @@ def test_status_of_a_git_snapshot_says_it_is_judged_by_its_code(tmp_path: Path) 
     (copy,) = json.loads(_status(root, "--json"))["copies"]
     assert (copy["version"], copy["label_kind"], copy["era"]) == ("0.19.0+d199bb9", "local", "B")
     assert copy["reason"] == "era B by code shape"
-    assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
+    assert FixStates({fix: state["state"] for fix, state in copy["fixes"].items()}) == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
@@ -179,7 +179,7 @@ def test_status_of_pr6316_shows_the_pool_size_and_the_fix(tmp_path: Path) -> Non
     assert copy["functions"][registry.DRAIN] == {
         "shape": "pool size from the config", "matched_by": "structure", "as_shipped_in": None,
         "implies": "waits on rs_stream, keeps N units live, N the configured pool size"}
-    assert {fix: state["state"] for fix, state in copy["fixes"].items()} == {
+    assert FixStates({fix: state["state"] for fix, state in copy["fixes"].items()}) == {
         "getter-guard": "not needed", "ordered-drain": "would apply",
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",

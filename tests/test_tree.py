@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import releases
-from conftest import run_python
+from conftest import FixStates, run_python
 
 from mfsdp_hotfix import cli, registry, tree
 from mfsdp_hotfix.commands import exits
@@ -20,7 +20,7 @@ VENDORED = "megatron/core/distributed/fsdp/src/megatron_fsdp"
 
 
 def states(copy: dict[str, Any]) -> dict[str, str]:
-    return {fix: state["state"] for fix, state in copy["fixes"].items()}
+    return FixStates({fix: state["state"] for fix, state in copy["fixes"].items()})
 
 
 def test_an_unpacked_megatron_core_release() -> None:
@@ -32,7 +32,8 @@ def test_an_unpacked_megatron_core_release() -> None:
                             "missed-post-backward": "not needed",
                             "zero1-accumulate": "would apply",
                             "reduce-once": "would apply",
-        "single-rank-reduce": "would apply", "core-linear-accumulate": "would apply"}
+        "single-rank-reduce": "would apply", "core-linear-accumulate": "would apply",
+        "expert-accumulate": "would apply"}
     assert copy["package_info"] == {f"{VENDORED}/package_info.py": "0.6.1",
                                     "megatron/core/package_info.py": "0.19.2"}
     (v2,) = data["v2_copies"]

@@ -36,6 +36,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import Stopped as Stopped
+
 # Environment variable carrying the block's token into every process started under it.
 TOKEN = "MFSDP_SUPERVISED_BY"
 # Turned into :class:`Stopped` inside a block (SIGINT is Python's KeyboardInterrupt already).
@@ -44,15 +46,6 @@ _TERMINATING = (signal.SIGINT, *STOP_SIGNALS)
 # How long the end of a block waits for its killed processes to go (one in an uninterruptible
 # kernel call goes only when the call returns); signals are held back meanwhile.
 WAIT_S = 30.0
-
-
-class Stopped(BaseException):
-    """SIGTERM or SIGHUP arrived while a :func:`supervised` block ran. A BaseException, as
-    KeyboardInterrupt is, so that no ``except Exception`` of a run swallows it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
 
 
 def descendants(pid: int) -> list[int]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import snapshots
+from conftest import FixStates
 from realcases import (
     assert_matches_reference,
     assert_no_buffer_crash,
@@ -43,7 +44,7 @@ def rocm(path: str, hotfix: str) -> CaseResult:
 
 def fix_states(result: CaseResult) -> dict[str, str]:
     (copy,) = result.hotfix_status["copies"]
-    return {fix: state["state"] for fix, state in copy["fixes"].items()}
+    return FixStates({fix: state["state"] for fix, state in copy["fixes"].items()})
 
 
 def test_pr146_alone_leaves_slot_reuse_unordered(rebuilt: dict[str, str]) -> None:
