@@ -289,7 +289,7 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
             refused = by_state.pop(installer.REFUSED, [])
             told.append((f"{', '.join(refused)} " if refused else "")
                         + f"left as shipped ({copy['reason']})")
-            short.append("not recognised, left as shipped")
+            short.append("left as shipped")
             kept = [fix for fix, (state, _) in states.items() if state in PROTECTING]
             if kept and hotfix not in UNPROTECTING:
                 told.append(f"the hotfix still applies {', '.join(kept)}")
