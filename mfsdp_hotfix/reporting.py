@@ -36,7 +36,7 @@ from .__about__ import __version__
 from .installer import CopyRecord
 from .registry import Copy, Shape
 from .release_defects import defects_of
-from .verdict_text import FIRST_LINE_MAX, first_line
+from .verdict_text import first_line
 
 HOTFIX_STATES = {
     "off": f"{settings_module.SWITCH}=0 switches every fix off",
@@ -199,25 +199,28 @@ def verdict(data: dict[str, Any], hotfix: str | None) -> dict[str, Any]:
                                    if state in PROTECTING))
         how = ("repaired where the hotfix is loaded" if hotfix is None else
                f"protected: the hotfix is {hotfix}")
-        return {"affected": True, "protected": True, "line": _first(copies, how),
+        return {"affected": True, "protected": True, "line": _first(copies, [how]),
                 "details": [f"applies {', '.join(fixes) or 'none'}", *refusals]}
     return {"affected": True, "protected": False,
-            "line": _first(copies, f"NOT protected: {', '.join(short)}",
+            "line": _first(copies, [f"NOT protected: {', '.join(short)}",
+                                    f"NOT protected: {short[0]} and more (below)"],
                            re.sub(r"^for \S+ (use )", r"\1", remedies[0])),
             "details": ([f"why: {reason}" for reason in reasons]
                         + [f"instead: {remedy}" for remedy in remedies] + refusals)}
 
 
-def _first(copies: list[dict[str, Any]], state: str, todo: str = "") -> str:
+def _first(copies: list[dict[str, Any]], states: list[str], todo: str = "") -> str:
     """``affected: <copies> — <state>; <todo>``, the copies named with their eras where that
-    fits on the first line, else without, else counted (the lines below name them)."""
-    heads = [", ".join(name(copy) for copy in copies),
-             ", ".join(f"{copy['copy']} {copy['version'] or ''}".strip() for copy in copies),
-             f"{len(copies)} Megatron-FSDP copies" if len(copies) > 1 else copies[0]["copy"]]
-    lines = [f"affected: {head} — {state}" + (f"; {told}" if told else "") for head in heads
-             for told in dict.fromkeys([todo, todo.split(" (", 1)[0]])]
-    fits = next((line for line in lines if len(line) <= FIRST_LINE_MAX), None)
-    return fits or first_line(f"affected: {heads[-1]} — {state}", todo)
+    fits on the first line, else without, else counted (the lines below name them); ``states``:
+    the state in ever fewer words."""
+    def bare(copy: dict[str, Any]) -> str:
+        return " ".join(filter(None, [copy["copy"], copy["version"],
+                                      "(not recognised)" if copy["refused"] else None]))
+    heads = [", ".join(name(copy) for copy in copies), ", ".join(map(bare, copies)),
+             f"{len(copies)} Megatron-FSDP copies" if len(copies) > 1 else
+             bare({**copies[0], "version": None})]
+    lines = [f"affected: {head} — {state}" for state in states for head in dict.fromkeys(heads)]
+    return first_line(lines[0], todo, tuple(lines[1:]))
 
 
 def fix_states(copy: dict[str, Any], failures: Mapping[str, str]) -> dict[str, tuple[str, str]]:

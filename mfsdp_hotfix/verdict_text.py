@@ -12,18 +12,22 @@ FIRST_LINE_MAX = 120
 INDENT = "  "
 
 
-def first_line(state: str, todo: str = "") -> str:
-    """``state; todo`` in at most :data:`FIRST_LINE_MAX` characters (the details below it carry
-    the whole of both). Where they do not fit, the thing to do loses its parenthesis first, then
-    the state is cut at a word, keeping at least half the line, then the thing to do."""
-    line = f"{state}; {todo}" if todo else state
-    if len(line) <= FIRST_LINE_MAX:
-        return line
-    todo = todo.split(" (", 1)[0]
-    tail = f"; {todo}" if todo else ""
+def first_line(state: str, todo: str = "", shorter: tuple[str, ...] = ()) -> str:
+    """``state; todo`` in at most :data:`FIRST_LINE_MAX` characters (the details below carry the
+    whole of both). Where it does not fit, the shorter forms are tried: of the state, those the
+    caller gives (``shorter``), of the thing to do, without its parenthesis, then its first
+    clause; failing all, the shortest state is cut at a word, ending in ``…``."""
+    todos = list(dict.fromkeys([todo, todo.split(" (", 1)[0], todo.split(" (", 1)[0]
+                                .split(", ", 1)[0]]))
+    for form in (state, *shorter):
+        for told in todos:
+            line = f"{form}; {told}" if told else form
+            if len(line) <= FIRST_LINE_MAX:
+                return line
+    tail = f"; {todos[-1]}" if todos[-1] else ""
+    state = (shorter or (state,))[-1]
     room = max(FIRST_LINE_MAX - len(tail), FIRST_LINE_MAX // 2)
-    if len(state) > room:
-        state = _cut(state, room)
+    state = _cut(state, room)
     return state + _cut(tail, FIRST_LINE_MAX - len(state)) if tail else state
 
 

@@ -95,12 +95,15 @@ def test_a_release_defect_no_fix_repairs_fails_the_check(fsdp_release) -> None:
     code, data = status(Path(ARMED), fsdp_release("0.2.3"))
     line = data["verdict"]["line"]
     assert code == 1 and data["verdict"]["protected"] is False, line
-    assert line.startswith("affected: megatron-fsdp 0.2.3 (era A) — NOT protected: "
-                           "sharded-grads-summed-unscaled is not repaired by the hotfix (it "
-                           "hits ZeRO-2/3 (optim_grads, optim_grads_params) over 2 or more "
-                           "data-parallel ranks"), line
-    assert line.endswith("; for sharded-grads-summed-unscaled use calculate_per_token_loss=True "
-                         "(the release scales nothing; the loss carries the normalisation)")
+    assert line == ("affected: megatron-fsdp 0.2.3 (era A) — NOT protected: 1 defect not "
+                    "repaired; use calculate_per_token_loss=True"), line
+    details = data["verdict"]["details"]
+    assert details[0].startswith("why: sharded-grads-summed-unscaled is not repaired by the "
+                                 "hotfix (it hits ZeRO-2/3 (optim_grads, optim_grads_params) over "
+                                 "2 or more data-parallel ranks"), details
+    assert details[1] == ("instead: for sharded-grads-summed-unscaled use "
+                          "calculate_per_token_loss=True (the release scales nothing; the loss "
+                          "carries the normalisation)"), details
     (defect,) = [d for d in data["copies"][0]["release_defects"] if d["fix"] is None]
     assert defect["name"] == "sharded-grads-summed-unscaled" and not defect["repaired"]
     assert defect["carrier"] == {"function": "GradReducePipeline._bucket_group_gradient_reduce",
@@ -108,7 +111,7 @@ def test_a_release_defect_no_fix_repairs_fails_the_check(fsdp_release) -> None:
     assert any("release defect sharded-grads-summed-unscaled not repaired" in problem
                for problem in data["unfixed"])
     proc = run_python("", ARMED, fsdp_release("0.2.3"), args=("-m", "mfsdp_hotfix", "status"))
-    assert proc.stdout.splitlines()[1] == (
+    assert next(line for line in proc.stdout.splitlines() if line.startswith("- ")) == (
         "- megatron-fsdp 0.2.3 (era A): getter-guard, ordered-drain, missed-post-backward, "
         "zero1-accumulate, single-rank-reduce would apply; sharded-grads-summed-unscaled NOT "
         "repaired; for "
@@ -204,11 +207,13 @@ def test_the_verdict_of_a_switched_off_install(fsdp_release) -> None:
     assert data["verdict"] == {
         "affected": True, "protected": False,
         "line": "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: MFSDP_HOTFIX=0; use "
-                "fsdp_double_buffer=False; for zero1-fused-wgrad-overwrite use ZeRO-2 or ZeRO-3 "
-                "(optim_grads, optim_grads_params); for unsharded-grads-reduced-twice use "
-                "overlap_grad_reduce=True (the default); for "
-                "single-rank-grads-reduced-every-microbatch use one microbatch per step, on "
-                "megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later"}
+                "fsdp_double_buffer=False",
+        "details": ["why: MFSDP_HOTFIX=0", "instead: use fsdp_double_buffer=False",
+                    "instead: for zero1-fused-wgrad-overwrite use ZeRO-2 or ZeRO-3 (optim_grads, "
+                    "optim_grads_params)", "instead: for unsharded-grads-reduced-twice use "
+                    "overlap_grad_reduce=True (the default)", "instead: for "
+                    "single-rank-grads-reduced-every-microbatch use one microbatch per step, on "
+                    "megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later"]}
 
 
 def test_the_api_answers_for_this_process(fsdp_release) -> None:
@@ -218,9 +223,9 @@ def test_the_api_answers_for_this_process(fsdp_release) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == {
         "affected": True, "protected": True,
-        "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active and "
-                "applies ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce"
-                + REFUSES_HSDP}
+        "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active",
+        "details": ["applies ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce",
+                    REFUSES_HSDP]}
 
 
 def test_disabled_fix_fails_the_check(fsdp_release) -> None:
@@ -267,17 +272,17 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
     if path_kind == "none":
         assert lines[0] == "not affected: no Megatron-FSDP copy found"
         return
-    assert lines[:2] == [
-        "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed and applies "
-        "getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce; "
-        "refuses HSDP with ZeRO-1 "
-        "(optim) and overlap_grad_reduce=False at model construction (no fix makes it right): "
-        "use overlap_grad_reduce=True (the default)",
+    assert lines[:4] == [
+        "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed",
+        "  applies getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce",
+        "  refused at model construction, if you build: HSDP with ZeRO-1 (optim) and "
+        "overlap_grad_reduce=False (no fix makes it right): use overlap_grad_reduce=True (the "
+        "default)",
         "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate, "
         f"reduce-once, single-rank-reduce would apply; at "
         f"{fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
-    assert lines[2].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
-                             "on PYTHONPATH") and len(lines) == 4, lines
+    assert lines[4].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
+                             "on PYTHONPATH") and len(lines) == 6, lines
     assert "main_grad_getter" not in proc.stdout and "release defect " not in proc.stdout
     verbose = run_python("", ARMED, *path, args=("-m", "mfsdp_hotfix", "status",
                                                  "--verbose")).stdout
@@ -462,25 +467,29 @@ def test_a_refused_copy_is_told_what_still_applies_what_is_left_and_each_workaro
         "missed-post-backward": "would apply", "zero1-accumulate": "would apply",
         "reduce-once": "not needed", "single-rank-reduce": "would apply",
         "core-linear-accumulate": "not needed"}
-    line = data["verdict"]["line"]
-    assert code == 1 and line.startswith(
-        "affected: megatron-fsdp 0.2.3 (not recognised) — NOT protected: getter-guard, "
-        "ordered-drain left as shipped (unrecognised code shape in _enforce_double_buffer_limit "
-        "(fingerprint "), line
+    line, details = data["verdict"]["line"], data["verdict"]["details"]
+    assert code == 1 and line == (
+        "affected: megatron-fsdp (not recognised) — NOT protected: left as shipped and more "
+        "(below); use fsdp_double_buffer=False"), line
+    assert details[0].startswith(
+        "why: getter-guard, ordered-drain left as shipped (unrecognised code shape in "
+        "_enforce_double_buffer_limit (fingerprint "), details
     assert ("; the hotfix still applies missed-post-backward, zero1-accumulate, "
             "single-rank-reduce; sharded-grads-summed-unscaled is not repaired by the hotfix (it "
-            "hits ZeRO-2/3") in line
-    assert line.endswith("; use fsdp_double_buffer=False; for sharded-grads-summed-unscaled use "
-                         "calculate_per_token_loss=True (the release scales nothing; the loss "
-                         "carries the normalisation)"), line
+            "hits ZeRO-2/3") in details[0]
+    assert details[1:3] == ["instead: use fsdp_double_buffer=False", (
+        "instead: for sharded-grads-summed-unscaled use calculate_per_token_loss=True (the "
+        "release scales nothing; the loss carries the normalisation)")], details
     proc = run_python("", ARMED, refused_023, args=("-m", "mfsdp_hotfix", "status"))
-    assert proc.stdout.splitlines()[:2] == [line, (
+    lines = proc.stdout.splitlines()
+    assert lines[0] == line and lines[1:len(details) + 1] == [f"  {d}" for d in details]
+    assert lines[len(details) + 1] == (
         "- megatron-fsdp 0.2.3 (not recognised): REFUSED: getter-guard, ordered-drain left as "
         "shipped; missed-post-backward, zero1-accumulate, single-rank-reduce would apply; "
         "sharded-grads-summed-unscaled NOT repaired; use fsdp_double_buffer=False; for "
         "sharded-grads-summed-unscaled use calculate_per_token_loss=True (the release scales "
         "nothing; the loss carries the normalisation); --verbose: why; at "
-        f"{refused_023 / 'megatron_fsdp'}")], proc.stdout
+        f"{refused_023 / 'megatron_fsdp'}"), proc.stdout
 
 
 @pytest.mark.parametrize("path", [False, True])
@@ -544,11 +553,11 @@ def test_status_tells_a_one_rank_user_whether_the_size_one_defect_is_repaired(
     assert f"    release defect single-rank-grads-reduced-every-microbatch: {state}" in lines
     assert any(line.startswith(SIZE_ONE_WHEN) for line in lines), proc.stdout
     if unfixed is None:
-        assert " — protected: the hotfix is armed and applies ordered-drain, zero1-accumulate, " \
-            "reduce-once, single-rank-reduce" in lines[0], lines[0]
+        assert lines[0].endswith(" — protected: the hotfix is armed") and lines[1] == (
+            "  applies ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce"), lines
         return
-    assert " — NOT protected: " in lines[0] and lines[0].endswith(
-        "; for single-rank-grads-reduced-every-microbatch use one microbatch per step, on "
-        "megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later"), lines[0]
+    assert " — NOT protected: " in lines[0] and (
+        "  instead: for single-rank-grads-reduced-every-microbatch use one microbatch per step, "
+        "on megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later") in lines, lines
     left = lines[lines.index("Left unfixed:") + 1:]
     assert any(line.endswith(f": {unfixed}") for line in left), left

@@ -142,8 +142,8 @@ def test_a_refused_copy_names_what_still_applies_what_is_left_and_each_workaroun
                  {"kept-defect": "defect-fix", "left-defect": "off-fix"},
                  refused="unknown drain")
     assert _line("armed", copy) == (
-        "affected: megatron-fsdp 9.9.0 — NOT protected: left as shipped, off-fix "
-        "disabled; use fsdp_double_buffer=False\n  why: db-fix, other-db-fix left as shipped "
+        "affected: megatron-fsdp (not recognised) — NOT protected: left as shipped and more "
+        "(below); use fsdp_double_buffer=False\n  why: db-fix, other-db-fix left as shipped "
         "(unknown drain); the hotfix still applies kept-fix, defect-fix; off-fix disabled\n"
         "  instead: use fsdp_double_buffer=False\n  instead: for left-defect use avoid "
         "left-defect")
