@@ -203,7 +203,8 @@ def verdict(data: dict[str, Any], hotfix: str | None) -> dict[str, Any]:
                 "details": [f"applies {', '.join(fixes) or 'none'}", *refusals]}
     return {"affected": True, "protected": False,
             "line": _first(copies, [f"NOT protected: {', '.join(short)}",
-                                    f"NOT protected: {short[0]} and more (below)"],
+                                    f"NOT protected: {short[0]} and more (below)",
+                                    "NOT protected (why: below)"],
                            re.sub(r"^for \S+ (use )", r"\1", remedies[0])),
             "details": ([f"why: {reason}" for reason in reasons]
                         + [f"instead: {remedy}" for remedy in remedies] + refusals)}

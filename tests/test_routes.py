@@ -150,9 +150,10 @@ def test_status(installed: Installed) -> None:
     plain = installed.sh(readme("mfsdp-hotfix status"))
     assert plain.returncode == 0 and plain.stderr == "", plain.stderr
     lines = plain.stdout.splitlines()
-    assert lines[0] == ("affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed "
-                        "and applies getter-guard, ordered-drain, zero1-accumulate, "
-                        "reduce-once, single-rank-reduce" + REFUSES_HSDP), lines
+    assert lines[:3] == ["affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed",
+                         "  applies getter-guard, ordered-drain, zero1-accumulate, reduce-once, "
+                         "single-rank-reduce", f"  {REFUSES_HSDP}"], lines
+    lines = lines[2:]
     assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain, "
                                "zero1-accumulate, reduce-once, single-rank-reduce would apply; "
                                "at "), lines
@@ -177,10 +178,10 @@ def test_status_path(installed: Installed) -> None:
     proc = installed.sh(readme("mfsdp-hotfix status --path DIR", DIR=folder))
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0] == ("affected: megatron-fsdp 0.5.1 (era B) — repaired where the hotfix is "
-                        "loaded: it applies getter-guard, ordered-drain, zero1-accumulate, "
-                        "reduce-once, single-rank-reduce" + REFUSES_HSDP), lines
-    assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): "), lines
+    assert lines[:3] == ["affected: megatron-fsdp 0.5.1 (era B) — repaired where the hotfix is "
+                         "loaded", "  applies getter-guard, ordered-drain, zero1-accumulate, "
+                         "reduce-once, single-rank-reduce", f"  {REFUSES_HSDP}"], lines
+    assert lines[3].startswith("- megatron-fsdp 0.5.1 (era B): "), lines
     assert f"for the folder {folder}, read from disk (nothing imported)" in proc.stdout
 
 
@@ -190,7 +191,8 @@ def test_switched_off(installed: Installed) -> None:
     check = installed.sh("MFSDP_HOTFIX=0 mfsdp-hotfix status --check --verbose")
     assert check.returncode == 1 and check.stdout.startswith(
         "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: MFSDP_HOTFIX=0; use "
-        "fsdp_double_buffer=False; for zero1-fused-wgrad-overwrite use "), check.stdout[-2000:]
+        "fsdp_double_buffer=False\n  why: MFSDP_HOTFIX=0\n  instead: use fsdp_double_buffer=False\n"
+        "  instead: for zero1-fused-wgrad-overwrite use "), check.stdout[-2000:]
     assert ": the hotfix is off: MFSDP_HOTFIX=0 switches every fix off" in check.stdout
     assert "    missed-post-backward: not needed (" in check.stdout, check.stdout[-2000:]
     unfixed = check.stdout.split("\nLeft unfixed:\n", 1)[1].splitlines()
