@@ -250,8 +250,8 @@ def _refusals(copies: list[dict[str, Any]]) -> list[str]:
             if limit.get("refused_at_model_construction"):
                 refused.setdefault(limit["workaround"], {})[limit["configuration"]] = None
     return [f"refused at model construction, if you build: {', '.join(configurations)} (no "
-            f"fix makes it right): use {workaround}"
-            for workaround, configurations in refused.items()]
+            "fix makes it right): " + ("" if workaround.startswith("set ") else "use ")
+            + workaround for workaround, configurations in refused.items()]
 
 
 def name(copy: dict[str, Any]) -> str:

@@ -341,7 +341,10 @@ incidents.report("ordered-drain", "_enforce_double_buffer_limit", RuntimeError("
         "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: ordered-drain failed; use "
         "fsdp_double_buffer=False"), "details": [
         "why: ordered-drain failed (_enforce_double_buffer_limit: RuntimeError: boom)",
-        "instead: use fsdp_double_buffer=False", REFUSES_HSDP]}
+        "instead: use fsdp_double_buffer=False",
+        "refused at model construction, if you build: ZeRO-2/3 (optim_grads, optim_grads_params) "
+        "with fsdp_double_buffer=True (no fix makes it right): set fsdp_double_buffer=False",
+        REFUSES_HSDP]}
     assert fixes(data)["ordered-drain"] == "failed"
     (copy,) = data["status"]["copies"]
     assert copy["fixes"]["ordered-drain"]["reason"] == (
