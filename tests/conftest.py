@@ -22,6 +22,12 @@ REFUSES_HSDP = ("refused at model construction, if you build: HSDP with ZeRO-1 (
                 "makes it right): use overlap_grad_reduce=True (the default)")
 
 
+def verdict_line(text: str) -> str:
+    """The verdict of ``audit`` or ``selftest``: the last line of ``text`` that is not indented
+    (the verdict's details below it are; docs/CLI.md, "Verdicts")."""
+    return [line for line in text.splitlines() if line and not line.startswith(" ")][-1]
+
+
 def run_python(code: str, *path: Path | str, env: dict[str, str] | None = None,
                python: str = sys.executable, repo: bool = True, args: tuple[str, ...] = (),
                timeout: float = 300) -> subprocess.CompletedProcess[str]:
