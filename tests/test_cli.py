@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REFUSES_HSDP, run_python
+from conftest import REFUSES_HSDP, run_python, verdict_line
 
 from mfsdp_hotfix import bootstrap, reporting
 
@@ -333,8 +333,8 @@ def test_selftest_without_numpy_says_it_cannot_run() -> None:
     proc = run_python("", args=("-c", "import sys; sys.modules['numpy'] = None; "
                                 "from mfsdp_hotfix.cli import main; sys.exit(main(['selftest']))"))
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "selftest: CANNOT RUN: no numpy in this environment."), proc.stderr
+    assert verdict_line(proc.stderr).startswith(
+        "selftest: CANNOT RUN: no numpy in this environment; `pip install numpy`"), proc.stderr
 
 
 @pytest.mark.parametrize("gpu", [False, True])
@@ -346,25 +346,38 @@ def test_selftest_refuses_a_path_that_is_not_a_folder(tmp_path: Path, gpu: bool)
         proc = run_python("", args=("-m", "mfsdp_hotfix", "selftest", "--path", str(path),
                                     "--json", *(["--gpu"] if gpu else [])))
         assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
-        assert proc.stderr.splitlines()[-1].startswith(
-            f"selftest: CANNOT RUN: --path {path}"), proc.stderr
+        assert verdict_line(proc.stderr).startswith("selftest: CANNOT RUN: --path "), proc.stderr
+        assert f"--path {path}" in proc.stderr and why in proc.stderr, proc.stderr
         data = json.loads(proc.stdout)
         assert data["verdict"] == "CANNOT RUN" and why in data["cannot_run"]
 
 
-def test_selftest_of_a_copy_that_is_not_installed_cannot_run() -> None:
-    """``--flavour core`` without megatron-core: nothing was tested, which is no FAIL of a fix;
-    the line names the package that is missing."""
+@pytest.mark.parametrize("gpu", [False, True])
+def test_selftest_of_a_copy_that_is_not_installed_cannot_run(gpu: bool) -> None:
+    """``--flavour core`` without megatron-core, on CPU or ``--gpu``: nothing was tested, which
+    is no FAIL of a fix; the line names the package to install, and it is known before any
+    worker starts (as ``status`` knows it), GPU or not."""
     if importlib.util.find_spec("megatron") is not None:
         pytest.skip("megatron-core is installed in this environment")
-    proc = run_python("", args=("-m", "mfsdp_hotfix", "selftest", "--flavour", "core"))
-    assert proc.returncode == 2, proc.stdout[-2000:]
-    assert proc.stdout.splitlines()[-1] == (
-        "selftest: CANNOT RUN: megatron-core's copy of Megatron-FSDP (--flavour core) cannot be "
-        "imported: megatron-core is not installed here (ModuleNotFoundError: No module named "
-        "'megatron'); install megatron-core, or give --path a folder that holds it. Nothing was "
-        "tested"), proc.stdout
-    assert "with hotfix" not in proc.stdout  # the second run would fail the same way
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "selftest", "--flavour", "core",
+                                *(["--gpu"] if gpu else [])), timeout=60)
+    # no progress line: no worker was started
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:]
+    assert proc.stderr == (
+        "selftest: CANNOT RUN: megatron-core is not installed here; install megatron-core, or "
+        "give --path a folder that holds it\n  nothing was started or tested\n"), proc.stderr
+
+
+def test_selftest_of_a_folder_without_a_copy_tests_nothing(fsdp_release, tmp_path: Path) -> None:
+    """``--path DIR`` tests the copy in DIR: a folder that holds none is refused before anything
+    runs, even where another copy is installed (here megatron-fsdp 0.4.0 on PYTHONPATH)."""
+    for extra in ([], ["--gpu"]):
+        proc = run_python("", fsdp_release("0.4.0"), timeout=60,
+                          args=("-m", "mfsdp_hotfix", "selftest", "--path", str(tmp_path), *extra))
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:]
+        assert proc.stderr.startswith("selftest: CANNOT RUN: no Megatron-FSDP copy in --path"), \
+            proc.stderr
+        assert f"--path DIR tests the copy in DIR alone; {tmp_path} holds none" in proc.stderr
 
 
 def test_version() -> None:
