@@ -352,15 +352,14 @@ def test_selftest_refuses_a_path_that_is_not_a_folder(tmp_path: Path, gpu: bool)
         assert data["verdict"] == "CANNOT RUN" and why in data["cannot_run"]
 
 
-@pytest.mark.parametrize("gpu", [False, True])
-def test_selftest_of_a_copy_that_is_not_installed_cannot_run(gpu: bool) -> None:
-    """``--flavour core`` without megatron-core, on CPU or ``--gpu``: nothing was tested, which
-    is no FAIL of a fix; the line names the package to install, and it is known before any
-    worker starts (as ``status`` knows it), GPU or not."""
+def test_selftest_of_a_copy_that_is_not_installed_cannot_run() -> None:
+    """``--flavour core`` without megatron-core: nothing was tested, which is no FAIL of a fix;
+    the line names the package to install, and it is known before any worker starts (as
+    ``status`` knows it)."""
     if importlib.util.find_spec("megatron") is not None:
         pytest.skip("megatron-core is installed in this environment")
-    proc = run_python("", args=("-m", "mfsdp_hotfix", "selftest", "--flavour", "core",
-                                *(["--gpu"] if gpu else [])), timeout=60)
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "selftest", "--flavour", "core"),
+                      timeout=60)
     # no progress line: no worker was started
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:]
     assert proc.stderr == (
@@ -368,12 +367,35 @@ def test_selftest_of_a_copy_that_is_not_installed_cannot_run(gpu: bool) -> None:
         "give --path a folder that holds it\n  nothing was started or tested\n"), proc.stderr
 
 
+def test_gpu_selftest_of_a_copy_that_is_not_installed_cannot_run(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--gpu --flavour core`` without megatron-core, on a machine with a GPU (its probe
+    stands in here): CANNOT RUN with what to install, exit 2, before any run starts."""
+    if importlib.util.find_spec("megatron") is not None:
+        pytest.skip("megatron-core is installed in this environment")
+    from mfsdp_hotfix import cli
+    from mfsdp_hotfix.selftest import gpu
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a GPU run was started")
+
+    monkeypatch.setattr(gpu, "probe_cuda", lambda: (1, "a GPU stand-in"))
+    monkeypatch.setattr(gpu, "run_gpu_selftest", started)
+    assert cli.main(["selftest", "--gpu", "--flavour", "core"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("selftest: CANNOT RUN: megatron-core is not installed here; install "
+                          "megatron-core"), err
+
+
 def test_selftest_of_a_folder_without_a_copy_tests_nothing(fsdp_release, tmp_path: Path) -> None:
     """``--path DIR`` tests the copy in DIR: a folder that holds none is refused before anything
     runs, even where another copy is installed (here megatron-fsdp 0.4.0 on PYTHONPATH)."""
-    for extra in ([], ["--gpu"]):
+    for extra in ([], ["--json"]):
         proc = run_python("", fsdp_release("0.4.0"), timeout=60,
                           args=("-m", "mfsdp_hotfix", "selftest", "--path", str(tmp_path), *extra))
+        if extra:
+            assert json.loads(proc.stdout)["verdict"] == "CANNOT RUN"
+            continue
         assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:]
         assert proc.stderr.startswith("selftest: CANNOT RUN: no Megatron-FSDP copy in --path"), \
             proc.stderr

@@ -230,10 +230,10 @@ def _gpu_selftest(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json else sys.stdout
 
     def cannot_run(why: str) -> int:
-        told = block(first_line(f"selftest: {CANNOT_RUN}: the GPU selftest cannot run here: "
-                                f"{why}", "without a GPU, run `mfsdp-hotfix selftest` (CPU)"),
-                     ["it needs this environment's torch with CUDA and at least one visible "
-                      "GPU; nothing was tested"])
+        told = block(first_line(f"selftest: {CANNOT_RUN}: {why}",
+                                "without a GPU, run `mfsdp-hotfix selftest` (CPU)"),
+                     [f"the GPU selftest cannot run here: {why}", "it needs this environment's "
+                      "torch with CUDA and at least one visible GPU; nothing was tested"])
         if args.json:
             _cannot_run_json(told, "gpu", why)
         print(told, file=out)
@@ -243,9 +243,6 @@ def _gpu_selftest(args: argparse.Namespace) -> int:
         import torch  # noqa: F401
     except ImportError:
         return cannot_run("no torch in this environment")
-    missing = _missing_copy(args.path, args.flavour)
-    if missing is not None:  # before the GPUs are probed: what to install comes first
-        return _selftest_cannot_run(missing[0], args.json, "gpu", *missing[1:])
     from ..selftest import gpu
 
     try:
@@ -256,9 +253,11 @@ def _gpu_selftest(args: argparse.Namespace) -> int:
                               protocol=args.protocol)
     except gpu.CannotRun as exc:
         return cannot_run(str(exc))
+    missing = _missing_copy(args.path, args.flavour)
+    if missing is not None:  # known before any worker starts, as status knows it
+        return _selftest_cannot_run(missing[0], args.json, "gpu", *missing[1:])
     results = gpu.run_gpu_selftest(plan, path=args.path, out=out, progress=sys.stderr)
     data = gpu.to_json(plan, results)
-    data.update(_verdict_fields(data["conclusion"]))
     if args.json:
         print(json.dumps(data, default=str))
     return SELFTEST_PASS if data["verdict"] == "PASS" else SELFTEST_FAIL
