@@ -410,12 +410,32 @@ def test_version() -> None:
 
 
 def test_no_command_lists_the_commands_one_line_each() -> None:
-    """Bare ``mfsdp-hotfix`` is a usage error (exit 2) that shows every command."""
+    """Bare ``mfsdp-hotfix`` is a usage error (exit 2) that shows the usage, every command on a
+    line of its own and the error: not the whole help (docs/CLI.md)."""
     proc = run_python("", args=("-c", NO_TORCH), env={"COLUMNS": "100"})
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout
-    listed = re.findall(r"^    (\S+) +\S", proc.stderr, re.M)
-    assert listed == ["status", "selftest", "run", "audit", "bootstrap-path", "help"], proc.stderr
-    assert proc.stderr.rstrip().endswith("'mfsdp-hotfix help COMMAND' shows its options)")
+    usage, title, *listed, error = proc.stderr.splitlines()
+    assert (usage, title) == ("usage: mfsdp-hotfix COMMAND [OPTIONS]", "commands:"), proc.stderr
+    assert [re.match(r"  (\S+)  +\S", line).group(1) for line in listed] == [
+        "status", "selftest", "run", "audit", "bootstrap-path", "help"], proc.stderr
+    assert error == ("mfsdp-hotfix: error: name a COMMAND (above; 'mfsdp-hotfix help COMMAND' "
+                     "shows its options)"), proc.stderr
+
+
+@pytest.mark.parametrize("command", ["", "status", "selftest", "run", "audit", "bootstrap-path",
+                                     "help"])
+def test_help_wraps_between_words_and_names_what_it_points_to(command: str) -> None:
+    """argparse's own wrapping breaks after a hyphen (``mfsdp-`` / ``hotfix``); ``help
+    --help`` names the commands it takes instead of pointing 'above' at nothing."""
+    proc = run_python("", args=("-c", NO_TORCH, *command.split(), "--help"),
+                      env={"COLUMNS": "60"})
+    assert proc.returncode == 0, proc.stderr
+    broken = [line for line in proc.stdout.splitlines() if re.search(r"[A-Za-z]-$", line)]
+    assert not broken, proc.stdout
+    assert "above" not in proc.stdout, proc.stdout
+    if command == "help":
+        assert "one of: status, selftest, run, audit, bootstrap-path" in " ".join(
+            proc.stdout.split())
 
 
 @pytest.mark.parametrize("command", ["", "status", "audit"])
