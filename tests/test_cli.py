@@ -195,11 +195,22 @@ def test_a_misspelt_switch_is_told_once_on_stderr(fsdp_release, route: str) -> N
                       args=("-m", "mfsdp_hotfix", "status", "--check"))
     warning = ("MFSDP_HOTFX is not a variable mfsdp_hotfix reads (did you mean MFSDP_HOTFIX?); "
                "it is ignored")
-    said = "mfsdp_hotfix: warning: " if route == "bootstrap" else "mfsdp-hotfix status: warning: "
-    assert proc.stderr == f"{said}{warning}\n" and "MFSDP_HOTFX" not in proc.stdout
+    # one prefix, whichever route tells it (in a job: the bootstrap or install(); here: status)
+    assert proc.stderr == f"mfsdp_hotfix: warning: {warning}\n", proc.stderr
+    assert "MFSDP_HOTFX" not in proc.stdout
     if route == "bootstrap":
         assert proc.returncode == 0 and proc.stdout.startswith(
             "affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed"), proc.stdout
+
+
+def test_a_misspelt_switch_is_told_with_the_same_prefix_by_install(fsdp_release) -> None:
+    """Where no bootstrap ran (``import mfsdp_hotfix`` in a script), ``install()`` tells it
+    through the logger, with the prefix the bootstrap and ``status`` use."""
+    proc = run_python("import logging; logging.basicConfig(format='%(message)s')\n"
+                      "import mfsdp_hotfix; mfsdp_hotfix.install()", fsdp_release("0.5.1"),
+                      env={"MFSDP_HOTFX": "0"})
+    assert proc.stderr == ("mfsdp_hotfix: warning: MFSDP_HOTFX is not a variable mfsdp_hotfix "
+                           "reads (did you mean MFSDP_HOTFIX?); it is ignored\n"), proc.stderr
 
 
 def test_the_verdict_of_a_switched_off_install(fsdp_release) -> None:

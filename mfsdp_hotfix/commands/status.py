@@ -145,7 +145,7 @@ def _warn(problems: list[str]) -> None:
     (a misspelt name, told at interpreter start)."""
     for problem in problems:
         if not variables.told(problem):
-            print(f"mfsdp-hotfix status: warning: {problem}", file=sys.stderr)
+            print(f"{variables.WARNING}{problem}", file=sys.stderr)
 
 
 def _format(data: dict[str, Any], verbose: bool) -> str:
