@@ -187,7 +187,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("knowledge", ("registry", "verified_releases", "eras", "fix_catalogue", "release_defects",
                    "gradient_pools", "structure")),
     ("foundations", ("__about__", "errors", "variables", "settings", "versions", "fingerprints",
-                     "patching", "incidents", "happens_before", "compare")),
+                     "patching", "incidents", "happens_before", "compare", "verdict_text")),
     ("reading", ("detection", "v2", "coverage", "slot_reuse", "crossrank")),
     ("fixes", ("fixes",)),
     ("observing", ("audit",)),

@@ -155,3 +155,14 @@ def test_the_docs_speak_of_the_project_alone() -> None:
     for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         found = words.findall(path.read_text())
         assert not found, (path.name, found)
+
+
+def test_the_readme_sections_named_elsewhere_exist() -> None:
+    """The docs and the package's messages send users to README sections by title (README,
+    "Try it"; the README's "…"): each title is one of the README's headings."""
+    headings = re.findall(r"^#{2,3} (.+)$", README, re.M)
+    named = re.compile(r"README(?:'s)?,? [\"']([^\"']+)[\"']")
+    paths = [*sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "mfsdp_hotfix").rglob("*.py"))]
+    for path in paths:
+        for title in named.findall(path.read_text()):
+            assert any(heading.startswith(title) for heading in headings), (path.name, title)
