@@ -18,8 +18,8 @@ from installed import installed  # noqa: E402, F401  (session fixture: this pack
 # The detail line of ``status``'s verdict for a copy whose ZeRO-1 and no_shard reduce twice without
 # overlap: no fix makes HSDP right there (neither the release nor reduce-once).
 REFUSES_HSDP = ("refused at model construction, if you build: HSDP with ZeRO-1 (optim) and "
-                "overlap_grad_reduce=False, HSDP with no_shard and overlap_grad_reduce=False (no fix "
-                "makes it right): use overlap_grad_reduce=True (the default)")
+                "overlap_grad_reduce=False, HSDP with no_shard and overlap_grad_reduce=False (no "
+                "fix makes it right): use overlap_grad_reduce=True (the default)")
 
 
 def verdict_line(text: str) -> str:

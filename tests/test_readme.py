@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import releases
-from conftest import REPO
+from conftest import REPO, verdict_line
 
 from mfsdp_hotfix import reporting
 
@@ -75,7 +75,7 @@ def test_install_lines_leave_a_training_environment_alone(tmp_path: Path) -> Non
     proc = subprocess.run(fresh.replace("/tmp/mfsdp-try", str(venv)), shell=True, cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1].startswith("selftest: PASS: "), proc.stdout
+    assert verdict_line(proc.stdout).startswith("selftest: PASS: "), proc.stdout
 
     # That environment now trains with megatron-fsdp 0.5.1, as a user's image would.
     pip = venv / "bin" / "pip"

@@ -47,10 +47,10 @@ def _no_rank_files(path: str, unwritable: str | None) -> tuple[str, list[str]]:
         return "UNWRITABLE", [f"no rank file {path}.rank<N>.json: {unwritable}"]
     return "NO DATA", [
         f"no rank file {path}.rank<N>.json was written",
-        "if a process should have: a launcher that does not pass PYTHONPATH and MFSDP_HOTFIX_AUDIT on "
-        "to its ranks, a job that ended before its first step, or ranks that could not write "
-        "there (each warns on stderr); `mfsdp-hotfix selftest` does not pass the audit on to its "
-        "ranks: use `mfsdp-hotfix selftest --audit`"]
+        "if a process should have: a launcher that does not pass PYTHONPATH and "
+        "MFSDP_HOTFIX_AUDIT on to its ranks, a job that ended before its first step, or ranks "
+        "that could not write there (each warns on stderr); `mfsdp-hotfix selftest` does not "
+        "pass the audit on to its ranks: use `mfsdp-hotfix selftest --audit`"]
 
 
 def _per_copy(reports: dict[int, dict[str, Any]]

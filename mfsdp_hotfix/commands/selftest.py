@@ -178,7 +178,8 @@ def _verdict_fields(told: str) -> dict[str, Any]:
 
 
 # The top-level package each copy is imported from, and where megatron-core keeps its copy.
-_STANDALONE, _CORE, _CORE_COPY = "megatron_fsdp", "megatron", "core/distributed/fsdp/src/megatron_fsdp"
+_STANDALONE, _CORE = "megatron_fsdp", "megatron"
+_CORE_COPY = "core/distributed/fsdp/src/megatron_fsdp"
 
 
 def _missing_copy(path: str | None, flavour: str) -> tuple[str, str, list[str]] | None:

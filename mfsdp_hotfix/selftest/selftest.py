@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from mfsdp_hotfix.selftest.runner import run_case
-from mfsdp_hotfix.verdict_text import block, first_line
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
+from mfsdp_hotfix.verdict_text import block, first_line
 
 # Float32 sums in a different order (bucketed reduce-scatter vs one reference backward): a
 # correct run differs from the reference by rounding only; a broken buffer differs by O(1).
@@ -121,7 +121,7 @@ def cannot_run(runs: list[tuple[str, CaseResult]]) -> str | None:
     elif module:
         why, todo = f"it needs {module}, which is not installed here", f"install {module}"
     else:
-        why, todo = "none is importable here", "install megatron-fsdp or megatron-core"
+        why, todo = "no copy is importable here", "install megatron-fsdp or megatron-core"
     return block(first_line(f"selftest: CANNOT RUN: {why}", f"{todo}, or give --path a folder "
                             "that holds it"),
                  [f"{_COPIES[spec.flavour]} cannot be imported: {why} ({missing['error']})",
@@ -218,7 +218,8 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
             for name, mode in ((WITHOUT, "off"), (WITH, "on"))]
     if progress:
         stream.write(f"selftest: {len(plan)} runs on CPU, without and with the hotfix, at "
-                     f"{base.world} ranks and at one\n  the case: {base.label(hotfix_state=False)}\n")
+                     f"{base.world} ranks and at one\n"
+                     f"  the case: {base.label(hotfix_state=False)}\n")
     for name, mode, world in plan:
         case = CaseSpec(**{**base.__dict__, "hotfix": mode, "world": world})
         tick = _ticker(stream, name) if progress else None

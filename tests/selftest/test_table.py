@@ -60,7 +60,7 @@ def test_conclusion_is_one_greppable_line() -> None:
      "(--flavour core) cannot be imported: the megatron-core found has no "
      "megatron.core.distributed.fsdp"),
     ("core", None, "einops", "cannot be imported: it needs einops, which is not installed here"),
-    ("auto", None, None, "a Megatron-FSDP copy cannot be imported: none is importable here"),
+    ("auto", None, None, "a Megatron-FSDP copy cannot be imported: no copy is importable here"),
 ])
 def test_a_copy_that_cannot_be_imported_as_shipped_cannot_run(
         flavour: str, path: str | None, module: str | None, why: str) -> None:
