@@ -166,3 +166,44 @@ def test_the_readme_sections_named_elsewhere_exist() -> None:
     for path in paths:
         for title in named.findall(path.read_text()):
             assert any(heading.startswith(title) for heading in headings), (path.name, title)
+
+
+def examples(text: str) -> list[list[str]]:
+    """The README's examples of output: its blocks indented by four spaces, each a list of
+    lines without that indent."""
+    blocks = re.findall(r"(?:^ {4}.+\n)+", text, re.M)
+    return [[line[4:] for line in block.splitlines()] for block in blocks]
+
+
+def test_the_first_screen_is_what_status_prints(fsdp_release) -> None:
+    """The first screen's example is the first lines ``status`` prints for megatron-fsdp 0.6.1
+    with the hotfix loaded in every new process (here its sitecustomize bootstrap)."""
+    from conftest import run_python
+
+    from mfsdp_hotfix import bootstrap
+
+    first_screen = README.split("\n## ", 1)[0]
+    assert len(first_screen.splitlines()) <= 32, "the first screen is about 30 lines"
+    assert {"pip install .", "mfsdp-hotfix status", "mfsdp-hotfix selftest"} <= set(
+        shell_lines(first_screen))
+    (shown,) = examples(first_screen)
+    proc = run_python("", bootstrap.SITECUSTOMIZE_DIR, fsdp_release("0.6.1"),
+                      args=("-m", "mfsdp_hotfix", "status"))
+    assert proc.stdout.splitlines()[:len(shown)] == shown, proc.stdout
+    assert proc.stdout.splitlines()[len(shown)].startswith("- megatron-fsdp 0.6.1"), proc.stdout
+
+
+def test_the_audit_example_is_what_the_audit_prints(tmp_path: Path) -> None:
+    """'Check your own job' shows the audit's verdict of an ordered job: the first lines the
+    command prints for rank files that say so."""
+    from conftest import run_python
+
+    (shown,) = examples(README.split("### Check your own job", 1)[1].split("\n## ", 1)[0])
+    rank_file = ("import json, os; json.dump({'rank': 0, 'world_size': 1, 'final': True, "
+                 "'audit': 'on', 'copies': [{'package': 'megatron_fsdp', 'version': '0.6.1', "
+                 "'era': 'C', 'fixes': [], 'reuses': 36, 'unordered': 0, 'unseen': 0, "
+                 "'crashed': False}]}, open(os.environ['MFSDP_HOTFIX_AUDIT'] + '.rank0.json', "
+                 "'w'))")
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "run1"),
+                                "--", sys.executable, "-c", rank_file))
+    assert proc.returncode == 0 and proc.stdout.splitlines()[:len(shown)] == shown, proc.stdout
