@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from mfsdp_hotfix.selftest import CaseResult, CaseSpec, format_table
@@ -101,3 +103,27 @@ def test_case_labels_are_plain_words() -> None:
     label = CaseSpec(hotfix="off").label()
     assert label == ("the Megatron-FSDP copy importable here, hotfix off (MFSDP_HOTFIX=0), ZeRO-3, "
                      "double buffer, 5 units, 2 microbatch(es), megatron-lm protocol")
+
+
+def test_one_rank_is_said_in_the_singular() -> None:
+    """The one-rank runs' label said '1 ranks'."""
+    assert CaseSpec(world=1).label().endswith(", 1 rank")
+    assert CaseSpec(world=4).label().endswith(", 4 ranks")
+
+
+def test_the_selftest_says_its_case_once_and_each_run_in_a_short_line() -> None:
+    """Every line of progress fits in one glance: the case is said once, indented."""
+    from mfsdp_hotfix.selftest.selftest import run_selftest
+
+    release = {"dist": "megatron-fsdp", "version": "0.4.0"}
+
+    def runner(case: CaseSpec, tick: object) -> CaseResult:
+        return CaseResult(spec=case, crashed=False, max_abs_grad_error=0.0, ordering_checks=36,
+                          ordering_violations=0, release=release)
+
+    out = io.StringIO()
+    run_selftest(path="/some/where", out=out, runner=runner)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "selftest: 4 runs on CPU, without and with the hotfix, at 2 ranks and at one"
+    assert lines[1].startswith("  the case: the Megatron-FSDP copy importable here from /some/")
+    assert all(len(line) <= 120 for line in lines if not line.startswith(" ")), lines
