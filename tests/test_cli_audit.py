@@ -54,7 +54,8 @@ def test_nothing_checked_is_not_ordered_and_not_exit_0(tmp_path: Path) -> None:
     status, lines = _audit(tmp_path, sys.executable, "-c", WRITE_RANK_FILE,
                            str(bootstrap.SITECUSTOMIZE_DIR), "0", "0")
     assert status == 4, lines
-    assert lines[0].startswith("audit: NOT CHECKED: no gradient-slot reuse was seen"), lines
+    assert lines[0] == ("audit: NOT CHECKED: no gradient-slot reuse was seen: nothing checked; see "
+                        "why below (command exit status 0)"), lines
     assert lines[1].startswith("  the audit watched the job but saw no gradient-slot reuse"), lines
 
 

@@ -153,13 +153,12 @@ def test_status(installed: Installed) -> None:
     assert lines[:3] == ["affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed",
                          "  applies getter-guard, ordered-drain, zero1-accumulate, reduce-once, "
                          "single-rank-reduce", f"  {REFUSES_HSDP}"], lines
-    lines = lines[2:]
-    assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain, "
+    assert lines[3].startswith("- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain, "
                                "zero1-accumulate, reduce-once, single-rank-reduce would apply; "
                                "at "), lines
     assert re.fullmatch(r"mfsdp-hotfix \S+, in a new Python process of this environment: the "
                         r"hotfix is armed at interpreter start by \S+/site-packages/"
-                        r"mfsdp_hotfix\.pth", lines[2]), lines
+                        r"mfsdp_hotfix\.pth", lines[4]), lines
     verbose = installed.sh("mfsdp-hotfix status --verbose")
     assert verbose.stdout.splitlines()[0] == lines[0]
     assert "    getter-guard: would apply (" in verbose.stdout

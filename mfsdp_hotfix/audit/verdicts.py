@@ -75,8 +75,7 @@ GLANCE: dict[str, tuple[str, str]] = {
                   "read the note below"),
     "INCOMPLETE": ("not every rank or reuse was checked", "see below; rerun with a path every "
                                                             "rank can write"),
-    "NOT CHECKED": ("no gradient-slot reuse was seen: nothing to check",
-                    "nothing to fix if no pool was built (below)"),
+    "NOT CHECKED": ("no gradient-slot reuse was seen: nothing checked", "see why below"),
     "ordered": ("every gradient-slot reuse was ordered", "nothing to do"),
     "UNWRITABLE": ("no rank file could be written",
                    "give --out a path every rank can write"),
