@@ -188,9 +188,12 @@ def verdict(data: dict[str, Any], hotfix: str | None) -> dict[str, Any]:
     failures = data.get("failures", {})
     copies = [copy for copy in data["copies"] if _affected(copy)]
     if not copies:
-        where = "; ".join(f"{name(copy)} needs none of the fixes" for copy in data["copies"])
-        return {"affected": False, "protected": None, "details": [],
-                "line": first_line(f"not affected: {where or 'no Megatron-FSDP copy found'}")}
+        found = [f"{name(copy)} needs none of the fixes" for copy in data["copies"]]
+        line = (f"not affected: {found[0]}" if len(found) == 1 else
+                f"not affected: none of {len(found)} Megatron-FSDP copies needs a fix" if found
+                else "not affected: no Megatron-FSDP copy found")
+        return {"affected": False, "protected": None, "line": first_line(line),
+                "details": found if len(found) > 1 else []}
     refusals = _refusals(copies)
     reasons, short, remedies = _unprotected(copies, hotfix, failures)
     if not reasons:
@@ -205,7 +208,7 @@ def verdict(data: dict[str, Any], hotfix: str | None) -> dict[str, Any]:
             "line": _first(copies, [f"NOT protected: {', '.join(short)}",
                                     f"NOT protected: {short[0]} and more (below)",
                                     "NOT protected (why: below)"],
-                           re.sub(r"^for \S+ (use )", r"\1", remedies[0])),
+                           re.sub(r"^for \S+ (use )", r"\1", remedies[0]) if remedies else ""),
             "details": ([f"why: {reason}" for reason in reasons]
                         + [f"instead: {remedy}" for remedy in remedies] + refusals)}
 

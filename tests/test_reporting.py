@@ -163,3 +163,24 @@ def test_not_affected() -> None:
         "not affected: megatron-fsdp 9.9.0 (era Z) needs none of the fixes")
     data = reporting.verdict({"copies": [_copy({"new-fix": "not needed"})]}, "off")
     assert (data["affected"], data["protected"]) == (False, None)
+
+
+def test_several_copies_not_affected_are_counted_and_named_below() -> None:
+    assert _line("armed", _copy({"new-fix": "not needed"}),
+                 _copy({"new-fix": "not needed"}, version="1.0.0")) == (
+        "not affected: none of 2 Megatron-FSDP copies needs a fix\n"
+        "  megatron-fsdp 9.9.0 (era Z) needs none of the fixes\n"
+        "  megatron-fsdp 1.0.0 (era Z) needs none of the fixes")
+
+
+def test_a_refusal_at_model_construction_is_a_line_of_its_own() -> None:
+    """'refuses ...' inside a protected verdict read as 'my job will be refused': it is a
+    detail of its own, saying it holds only if such a model is built."""
+    copy = {**_copy({"new-fix": "would apply"}), "limits": [
+        {"configuration": "HSDP with ZeRO-9", "refused_at_model_construction": True,
+         "workaround": "ZeRO-8"}]}
+    assert _line("armed", copy) == (
+        "affected: megatron-fsdp 9.9.0 (era Z) — protected: the hotfix is armed\n"
+        "  applies new-fix\n"
+        "  refused at model construction, if you build: HSDP with ZeRO-9 (no fix makes it "
+        "right): use ZeRO-8")
