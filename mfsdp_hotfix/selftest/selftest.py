@@ -95,9 +95,10 @@ def conclusion(runs: list[tuple[str, CaseResult]]) -> tuple[bool, str]:
     word = "PASS" if passed else "FAIL"
     todo = ("" if passed else "the audit disagrees: please report this" if not failed
             else "please report this, with the table above")
-    return passed, block(first_line(f"selftest: {word}: {state}"
-                                    + (f"; {shipped}" if shipped and passed else ""), todo),
-                         details)
+    head = f"selftest: {word}: {state}"
+    shorter = (f"{head}; without it: {verdict(before)}",) if before is not None and passed else ()
+    return passed, block(first_line(f"{head}; {shipped}" if shipped and passed else head, todo,
+                                    (*shorter, head)), details)
 
 
 def cannot_run(runs: list[tuple[str, CaseResult]]) -> str | None:

@@ -127,3 +127,23 @@ def test_the_selftest_says_its_case_once_and_each_run_in_a_short_line() -> None:
     assert lines[0] == "selftest: 4 runs on CPU, without and with the hotfix, at 2 ranks and at one"
     assert lines[1].startswith("  the case: the Megatron-FSDP copy importable here from /some/")
     assert all(len(line) <= 120 for line in lines if not line.startswith(" ")), lines
+
+
+def test_a_pass_names_what_the_release_does_without_the_hotfix_in_one_glance() -> None:
+    """Where the one-rank outcome does not fit on the first line, it is told below it."""
+    from mfsdp_hotfix.selftest.selftest import conclusion
+
+    release = {"dist": "megatron-fsdp", "version": "0.5.1"}
+    fine = _result(crashed=False, max_abs_grad_error=0.0, ordering_checks=36,
+                   ordering_violations=0, release=release)
+    unordered = _result(crashed=False, max_abs_grad_error=0.0, ordering_checks=36,
+                        ordering_violations=24, release=release)
+    wrong = _result(crashed=False, max_abs_grad_error=0.5, ordering_checks=0,
+                    ordering_violations=0, release=release)
+    passed, text = conclusion([("without hotfix", unordered), ("with hotfix", fine),
+                               ("without hotfix, one rank", wrong),
+                               ("with hotfix, one rank", fine)])
+    first, *details = text.splitlines()
+    assert passed and first == ("selftest: PASS: with the hotfix, megatron-fsdp 0.5.1 gradients "
+                                "equal plain PyTorch; without it: UNORDERED"), text
+    assert "  without it: UNORDERED, at one rank WRONG GRADS" in details, text
