@@ -132,9 +132,9 @@ HSDP = ("5 dense ZeRO-2/3 gradient buffer(s) whose data-parallel group has one r
 @pytest.mark.parametrize(("hotfix", "outer", "status", "words"), [
     ("0", 1, 3, f"{SIZE_ONE} is not repaired, because single-rank-reduce is not applied to this "
                 "copy"),
-    ("1", 1, 4, f"{SIZE_ONE} applies to this job and is repaired by single-rank-reduce]"),
+    ("1", 1, 4, f"{SIZE_ONE} applies to this job and is repaired by single-rank-reduce\n"),
     ("0", 2, 3, f"{HSDP} is not repaired, because single-rank-reduce is not applied"),
-    ("1", 2, 4, f"{HSDP} applies to this job and is repaired by single-rank-reduce]")],
+    ("1", 2, 4, f"{HSDP} applies to this job and is repaired by single-rank-reduce\n")],
     ids=["shipped", "hotfix", "hsdp-shipped", "hsdp-hotfix"])
 def test_one_rank_says_whether_the_size_one_group_defect_is_repaired(
         tmp_path: Path, hotfix: str, outer: int, status: int, words: str) -> None:
@@ -163,9 +163,9 @@ def test_one_rank_says_whether_the_size_one_group_defect_is_repaired(
 
 
 @pytest.mark.parametrize(("release", "hotfix", "status", "words"), [
-    ("0.6.1", "1", 4, f"{SIZE_ONE} applies to this job and is repaired by single-rank-reduce]"),
+    ("0.6.1", "1", 4, f"{SIZE_ONE} applies to this job and is repaired by single-rank-reduce\n"),
     ("0.6.1", "0", 4, "this job accumulated one microbatch per step, which 0.6.1 gets right, but "
-                      "with 2 or more its gradients are wrong: load the hotfix]"),
+                      "with 2 or more its gradients are wrong: load the hotfix\n"),
     # 0.3.x adds the buffer onto itself: wrong from one microbatch on
     ("0.3.1", "0", 3, f"{SIZE_ONE} is not repaired, because single-rank-reduce is not applied "
                       "to this copy")],
@@ -219,8 +219,9 @@ def test_a_gradient_pool_of_an_allocator_the_audit_does_not_know_is_unwatched(
     out = _audit_job(tmp_path, release, spec, hotfix="1")
     text = out.stdout + out.stderr
     assert out.returncode == 4, text[-4000:]
-    assert "UNWATCHED: 0 unordered of 0 gradient-slot reuses [gradient pool(s) fsdp_grads " \
-           "(NewPoolAllocator) built from a class the audit does not watch]" in out.stdout, text
+    assert "UNWATCHED: 0 unordered of 0 gradient-slot reuses\n" in out.stdout, text
+    assert "\n    why: gradient pool(s) fsdp_grads (NewPoolAllocator) built from a class the " \
+           "audit does not watch\n" in out.stdout, text
     assert verdict_line(out.stdout).startswith("audit: UNWATCHED: "), text
     assert "mfsdp_hotfix audit, 2 ranks: UNWATCHED" in text, text[-4000:]
 

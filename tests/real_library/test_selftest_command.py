@@ -56,8 +56,8 @@ def test_nothing_importable_is_reported_not_hidden(monkeypatch: pytest.MonkeyPat
     assert name == "without hotfix" and result.crashed
     assert "no Megatron-FSDP copy is importable" in (result.exception or ""), describe(result)
     assert verdict_line(out.getvalue()) == (
-        "selftest: CANNOT RUN: no copy is importable here; install megatron-fsdp or megatron-core, "
-        "or give --path a folder that holds it"), out.getvalue()
+        "selftest: CANNOT RUN: no copy is importable here; install megatron-fsdp or "
+        "megatron-core"), out.getvalue()
     assert ("  a Megatron-FSDP copy cannot be imported: no copy is importable here (ImportError: "
             "no Megatron-FSDP copy is importable (neither megatron_fsdp nor megatron-core))"
             ) in out.getvalue().splitlines(), out.getvalue()
