@@ -1,4 +1,4 @@
-"""``mfsdp-hotfix``: status, selftest, run, audit, bootstrap-path and help.
+"""``mfsdp-hotfix``: status, selftest, run, audit, parity, bootstrap-path and help.
 
 ``status`` and ``bootstrap-path`` work without torch; ``selftest`` needs torch and a
 Megatron-FSDP copy; ``run`` starts a command with the sitecustomize bootstrap on PYTHONPATH;
@@ -9,20 +9,23 @@ is the parser and the dispatch; each command is a module of :mod:`.commands`.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import textwrap
 
 from .__about__ import __version__
-from .commands import Command, audit, bootstrap_path, run, selftest, status
-from .commands.exits import BROKEN_PIPE, USAGE_ERROR
+from .commands import Command, audit, bootstrap_path, parity, run, selftest, status
+from .commands.exits import BROKEN_PIPE, HUNG_UP, INTERRUPTED, TERMINATED, USAGE_ERROR
 from .commands.output import quiet_stdout
+from .selftest.processes import Stopped
 
 DESCRIPTION = ("Runtime repair of Megatron-FSDP's gradient double-buffer race. 'status' and "
                "'bootstrap-path' work without torch; 'selftest' needs torch and a Megatron-FSDP "
                "copy; 'run' starts a command with the hotfix loaded in every Python process; "
-               "'audit' does the same with the on-the-job audit on and summarises it.")
+               "'audit' does the same with the on-the-job audit on and summarises it; "
+               "'parity' runs a job against Megatron's own DDP and compares every iteration.")
 # In the order ``--help`` lists them; ``help`` follows, as the parser's own.
-COMMANDS: tuple[Command, ...] = (status, selftest, run, audit, bootstrap_path)
+COMMANDS: tuple[Command, ...] = (status, selftest, run, audit, parity, bootstrap_path)
 
 
 class _WholeWordsFormatter(argparse.HelpFormatter):
@@ -60,7 +63,9 @@ def _command_list(commands: argparse._SubParsersAction) -> str:  # type: ignore[
 
 def main(argv: list[str] | None = None) -> int:
     """``mfsdp-hotfix``; a closed stdout (``| head``) ends it quietly with status 141 (``status``
-    keeps its own)."""
+    keeps its own), Ctrl-C with 130, SIGTERM with 143, SIGHUP with 129, as the shell reports a
+    command such a signal killed (every process a command started is ended by then:
+    ``selftest.processes.supervised``)."""
     try:
         try:
             code = _main(argv)
@@ -69,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         quiet_stdout()
         return BROKEN_PIPE
+    except (KeyboardInterrupt, Stopped) as stop:
+        name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else signal.Signals(
+            stop.signum).name
+        sys.stderr.write(f"mfsdp-hotfix: stopped by {name}\n")
+        return {"SIGINT": INTERRUPTED, "SIGTERM": TERMINATED, "SIGHUP": HUNG_UP}[name]
     return code
 
 

@@ -299,7 +299,9 @@ def exit_statuses() -> dict[str, int]:
     audit = code_constants("audit/verdicts.py")
     out = {name: exits[name] for name in ("USAGE_ERROR", "CHECK_OK", "CHECK_UNFIXED",
                                           "SELFTEST_PASS", "SELFTEST_FAIL", "SELFTEST_CANNOT_RUN",
-                                          "BROKEN_PIPE", "CANNOT_START")}
+                                          "BROKEN_PIPE", "CANNOT_START", "INTERRUPTED",
+                                          "TERMINATED", "HUNG_UP", "PARITY_MATCH",
+                                          "PARITY_MISMATCH", "PARITY_CANNOT_COMPARE")}
     out.update({name: tree[name] for name in ("NOT_A_FOLDER", "NOTHING_FOUND")})
     out.update({verdict: code for verdict, (_, _, code) in audit["VERDICTS"].items()})
     out["SIGNALLED"] = audit["SIGNALLED"]
@@ -1096,6 +1098,11 @@ claim("docs/CLI.md", "## Exit statuses | command | {} | {} | {} | other |", EXIT
                  only((e["USAGE_ERROR"], e["SELFTEST_CANNOT_RUN"]))))
 claim("docs/CLI.md", "| {}: the reader of the output went away", EXITS,
       lambda e: (e["BROKEN_PIPE"],))
+claim("docs/CLI.md", "; {}: stopped by Ctrl-C (SIGINT); {}: stopped by SIGTERM", EXITS,
+      lambda e: (e["INTERRUPTED"], e["TERMINATED"]))
+claim("docs/CLI.md", "; {}: stopped by SIGHUP", EXITS, lambda e: (e["HUNG_UP"],))
+claim("docs/CLI.md", "gives COMMAND {:g} s to end after SIGTERM",
+      "code mfsdp_hotfix/commands/audit.py", lambda audit: (audit["STOP_GRACE_S"],))
 claim("docs/CLI.md", "{}: COMMAND cannot be started", EXITS,  # run's and audit's
       lambda e: (e["CANNOT_START"],))
 claim("docs/CLI.md", "| {}: holds no Megatron-FSDP copy", EXITS,
@@ -1106,6 +1113,12 @@ claim("docs/CLI.md", "COMMAND's status when it failed ({} + N after signal N); e
       "nothing or not everything was checked", EXITS,
       lambda e: (e["SIGNALLED"], only((e["UNWATCHED"], e["INCOMPLETE"], e["NOT CHECKED"],
                                        e["UNWRITABLE"], e["NO DATA"]))))
+claim("docs/CLI.md", "| {} for (a run crashed, hung past", EXITS,
+      lambda e: (e["PARITY_CANNOT_COMPARE"],))
+claim("docs/CLI.md", "too coarse to decide); {}: the launcher cannot be started; {} + N after "
+      "signal N", EXITS, lambda e: (e["CANNOT_START"], e["SIGNALLED"]))
+claim("docs/CLI.md", "(at most {} characters: the verdict and the one thing to do)",
+      "code mfsdp_hotfix/parity/verdict_text.py", lambda c: (c["FIRST_LINE"],))
 claim("docs/AUDIT.md", "**Exit status.** {} only for the verdict", EXITS, lambda e: (e["ordered"],))
 claim("docs/STATUS_PATH.md", "| {} | the copies were judged (with", EXITS,
       lambda e: (e["CHECK_OK"],))

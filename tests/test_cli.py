@@ -428,13 +428,13 @@ def test_no_command_lists_the_commands_one_line_each() -> None:
     usage, title, *listed, error = proc.stderr.splitlines()
     assert (usage, title) == ("usage: mfsdp-hotfix COMMAND [OPTIONS]", "commands:"), proc.stderr
     assert [re.match(r"  (\S+)  +\S", line).group(1) for line in listed] == [
-        "status", "selftest", "run", "audit", "bootstrap-path", "help"], proc.stderr
+        "status", "selftest", "run", "audit", "parity", "bootstrap-path", "help"], proc.stderr
     assert error == ("mfsdp-hotfix: error: name a COMMAND (above; 'mfsdp-hotfix help COMMAND' "
                      "shows its options)"), proc.stderr
 
 
-@pytest.mark.parametrize("command", ["", "status", "selftest", "run", "audit", "bootstrap-path",
-                                     "help"])
+@pytest.mark.parametrize("command", ["", "status", "selftest", "run", "audit", "parity",
+                                     "bootstrap-path", "help"])
 def test_help_wraps_between_words_and_names_what_it_points_to(command: str) -> None:
     """argparse's own wrapping breaks after a hyphen (``mfsdp-`` / ``hotfix``); ``help
     --help`` names the commands it takes instead of pointing 'above' at nothing."""
@@ -445,7 +445,7 @@ def test_help_wraps_between_words_and_names_what_it_points_to(command: str) -> N
     assert not broken, proc.stdout
     assert "above" not in proc.stdout, proc.stdout
     if command == "help":
-        assert "one of: status, selftest, run, audit, bootstrap-path" in " ".join(
+        assert "one of: status, selftest, run, audit, parity, bootstrap-path" in " ".join(
             proc.stdout.split())
 
 
@@ -503,8 +503,11 @@ def test_one_table_lists_every_exit_status_of_every_command() -> None:
         "selftest": {exits.SELFTEST_PASS, exits.SELFTEST_FAIL, exits.SELFTEST_CANNOT_RUN},
         "run": {exits.CANNOT_START},
         "audit": {0, exits.CANNOT_START, *(status for _, _, status in VERDICTS.values())},
+        "parity": {exits.PARITY_MATCH, exits.PARITY_MISMATCH, exits.PARITY_CANNOT_COMPARE,
+                   exits.CANNOT_START},
     }
-    assert documented["any"] >= {exits.USAGE_ERROR, exits.BROKEN_PIPE}
+    assert documented["any"] >= {exits.USAGE_ERROR, exits.BROKEN_PIPE, exits.INTERRUPTED,
+                                 exits.TERMINATED, exits.HUNG_UP}
     for command, statuses in code.items():
         assert documented[command] >= statuses | {exits.USAGE_ERROR}, command
 

@@ -135,6 +135,15 @@ def test_the_megatron_lm_phases_look_only_down() -> None:
     assert_looks_only_down("megatron_lm", order)
 
 
+def test_the_parity_gpu_phases_look_only_down() -> None:
+    """validation/parity_gpu/: the plan at the bottom, then a case's command line, the reading of
+    its JSON, the driver, the record of a GPU call, the tables and the command line on top."""
+    order = ["parity_gpu", "parity_gpu.plan", "parity_gpu.command", "parity_gpu.reading",
+             "parity_gpu.driver", "parity_gpu.record", "parity_gpu.tables",
+             "parity_gpu.__main__"]
+    assert_looks_only_down("parity_gpu", order)
+
+
 def test_the_safe_choices_phases_look_only_down() -> None:
     """benchmarks/safe_choices/: the plan at the bottom, then the worker protocol, the driver,
     the model, one variant's build, the summary (whose step statistics the measure takes), the
@@ -194,7 +203,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("installing", ("installer", "trigger", "bootstrap", "sitecustomize")),
     ("reporting", ("reporting", "tree")),
     ("api", ("",)),
-    ("proving", ("selftest",)),
+    ("proving", ("selftest", "parity")),
     ("commands", ("commands",)),
     ("entry", ("cli", "__main__")),
 ]

@@ -102,6 +102,9 @@ ROUTES = {
     "mfsdp-hotfix audit --out /shared/audit/run1 -- torchrun --nproc-per-node 8 train.py":
         "test_audit",
     "mfsdp-hotfix audit --out PATH -- COMMAND...": "test_audit",
+    "mfsdp-hotfix parity --out /shared/parity/run1 -- torchrun --nproc-per-node 8 pretrain_gpt.py "
+    "ARGS": "test_parity",
+    "mfsdp-hotfix parity --out DIR -- LAUNCH COMMAND...": "test_parity",
     "mfsdp-hotfix run -- torchrun --nproc-per-node 8 train.py": "test_run",
     "mfsdp-hotfix run -- COMMAND...": "test_run",
     "mfsdp-hotfix run": "test_run",
@@ -405,6 +408,22 @@ def test_run(installed: Installed) -> None:
     assert job["fixes"]["megatron_fsdp getter-guard"] == "applied", job
     assert job["summary"].startswith("mfsdp_hotfix: megatron-fsdp 0.5.1 era B: getter-guard, "
                                      "ordered-drain"), job
+
+
+def test_parity(installed: Installed, tmp_path: Path) -> None:
+    """The README's parity line, torchrun and two ranks, on the stand-in for Megatron-LM's
+    pretrain_gpt.py (its training loop needs a GPU): MATCH, the runs' output kept in --out."""
+    standin = REPO / "tests" / "parity" / "standin" / "pretrain_gpt.py"
+    assert "mfsdp-hotfix parity --out DIR -- LAUNCH COMMAND..." in README_COMMANDS
+    proc = installed.sh(readme(
+        "mfsdp-hotfix parity --out /shared/parity/run1 -- torchrun --nproc-per-node 8 "
+        "pretrain_gpt.py ARGS", **{"/shared/parity/run1": str(tmp_path / "run1"),
+                                   "torchrun --nproc": "torchrun --standalone --nproc",
+                                   "8 pretrain_gpt.py ARGS": f"2 {standin} --use-megatron-fsdp "
+                                                             "--num-layers 2"}))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.stdout.startswith("MATCH: "), proc.stdout
+    assert (tmp_path / "run1" / "reference" / "output.log").read_text().count("] iteration ") == 3
 
 
 def test_bootstrap_path(installed: Installed) -> None:

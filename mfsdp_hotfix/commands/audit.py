@@ -10,10 +10,14 @@ import os
 import sys
 
 from .. import settings
+from ..selftest import processes
 from ..verdict_text import block, first_line
 from .exits import CANNOT_START, USAGE_ERROR
 from .run import add_command_argument, command_after_dashes, pythonpath_with_bootstrap
 
+# How long a stopped audit waits, after SIGTERM, for the command (torchrun stops its ranks on
+# SIGTERM, and each rank's audit writes its file at exit) before it kills what is left.
+STOP_GRACE_S = 10.0
 NAME = "audit"
 HELP = "run a job with the on-the-job audit, then summarise it"
 USAGE: str | None = "mfsdp-hotfix audit --out PATH -- COMMAND [ARGS...]"
@@ -42,9 +46,9 @@ def add_arguments(audit: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``audit``: the command with the bootstrap and MFSDP_HOTFIX_AUDIT, then a summary.
     Rank files of an earlier run at the same path are evidence: without ``--overwrite`` they
-    stop the audit before anything runs."""
-    import subprocess
-
+    stop the audit before anything runs. Stopped (Ctrl-C, SIGTERM, SIGHUP), the audit gives the
+    command ``STOP_GRACE_S`` to end, kills what is left of it, shows the summary of the rank
+    files written so far, and exits with the signal's status."""
     from ..audit.rank_files import rank_files
 
     out, overwrite = args.out, args.overwrite
@@ -64,26 +68,32 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except OSError as exc:
             print(f"mfsdp-hotfix audit: cannot remove {name} from an earlier run ({exc}); "
                   "the summary may include it", file=sys.stderr)
-    created = _make_folders(os.path.dirname(path))
+    created = make_folders(os.path.dirname(path))
     env = dict(os.environ, PYTHONPATH=pythonpath_with_bootstrap(), **{settings.AUDIT: path})
+    stopped: BaseException | None = None
+    child = None
     try:
-        child = subprocess.Popen(command, env=env)
-    except OSError as exc:
-        for folder in created:  # nothing ran: leave nothing behind (but what another put there)
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
-        print(f"mfsdp-hotfix audit: cannot start {command[0]!r}: {exc}", file=sys.stderr)
-        return CANNOT_START
-    if created:
-        print(f"mfsdp-hotfix audit: created the folder {created[0]} for the rank files",
-              file=sys.stderr)
-    while True:
-        try:
+        with processes.supervised(grace_s=STOP_GRACE_S) as children:
+            try:  # in this terminal's process group: a Ctrl-C reaches the command as always
+                child = children.start(command, own_session=False, env=env)
+            except OSError as exc:
+                for folder in created:  # nothing ran: leave nothing behind (but what another
+                    with contextlib.suppress(OSError):  # put there)
+                        os.rmdir(folder)
+                print(f"mfsdp-hotfix audit: cannot start {command[0]!r}: {exc}",
+                      file=sys.stderr)
+                return CANNOT_START
+            if created:
+                print(f"mfsdp-hotfix audit: created the folder {created[0]} for the rank files",
+                      file=sys.stderr)
             status = child.wait()
-            break
-        except KeyboardInterrupt:  # the command got the same signal; let it finish
-            continue
-    return _summary(path, len(earlier), status)
+    except (KeyboardInterrupt, processes.Stopped) as exc:  # the command is ended by now
+        stopped = exc
+        status = child.returncode if child is not None and child.returncode is not None else 1
+    code = _summary(path, len(earlier), status)
+    if stopped is not None:  # what the rank files hold so far is shown; the stop is the status
+        raise stopped
+    return code
 
 
 def _summary(path: str, deleted: int, status: int) -> int:
@@ -115,7 +125,7 @@ def _names(files: dict[int, str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def _make_folders(folder: str) -> list[str]:
+def make_folders(folder: str) -> list[str]:
     """Make ``folder`` and the folders above it that are missing; returns those made, deepest
     first (removed again if the command cannot be started)."""
     missing = []
@@ -139,9 +149,14 @@ def _out_problem(out: str, path: str) -> str | None:
         return (f"is an existing file ({prefix}, not a file to write): give a path that does "
                 "not exist yet")
     folder = os.path.dirname(path)
+    return folder_problem(folder, "for the rank files") or probe(path)
+
+
+def folder_problem(folder: str, purpose: str) -> str | None:
+    """Why ``folder`` cannot exist (a file where it or a folder above it would be), or None."""
     parent = folder
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        return f"{parent} is a file, so the folder {folder} for the rank files cannot exist"
-    return probe(path)
+        return f"{parent} is a file, so the folder {folder} {purpose} cannot exist"
+    return None

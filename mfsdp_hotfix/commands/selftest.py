@@ -247,7 +247,7 @@ def _gpu_selftest(args: argparse.Namespace) -> int:
     from ..selftest import gpu
 
     try:
-        visible, _ = gpu.probe_cuda()
+        visible = gpu.probe_cuda()
         plan = gpu.build_plan(visible, args.gpus, args.layer, gpu.te_importable(),
                               flavour=args.flavour, zero=args.zero, delay_ms=args.delay_ms,
                               dtype=args.dtype, timeout_s=args.timeout,

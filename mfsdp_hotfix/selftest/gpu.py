@@ -3,10 +3,12 @@ serialized run of the same code and by the on-the-job audit.
 
 Four runs, each in fresh processes (nothing is patched in the caller's process):
 ``shipped serialized`` and ``hotfix serialized`` (``CUDA_LAUNCH_BLOCKING=1``: every kernel ends
-before the next starts, so no stream can race; their gradients are the truth), then ``shipped``
+before the next starts, so no stream can race; their gradients are the truth), and ``shipped``
 (``MFSDP_HOTFIX=0``) and ``hotfix``, asynchronous, with the audit on, each compared bit for bit
 with its own serialized run. A reduce-scatter is made slow (``gpu_shims.install_rs_delay``) so
-that a missing ordering shows up as wrong gradients instead of depending on luck.
+that a missing ordering shows up as wrong gradients instead of depending on luck. The four start
+together and prepare at the same time; the GPU work the proof rests on is done in turns, the
+serialized pair together and each asynchronous run alone (``gpu_turns`` says why).
 
 One GPU: one process holds a fake 2-rank group with NCCL work semantics (``gpu_shims``), because
 Megatron-FSDP uses the double buffer only with sharded gradients (more than one rank) and NCCL
@@ -15,20 +17,19 @@ refuses two ranks on one GPU. Several GPUs: one NCCL rank per GPU, started with 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from mfsdp_hotfix.selftest import processes
+from mfsdp_hotfix.selftest import gpu_turns, processes
 from mfsdp_hotfix.selftest.gpu_spec import LAYER_LABELS, GpuRun, GpuRunResult, merge
 from mfsdp_hotfix.selftest.gpu_worker import audit_prefix, report_file
 from mfsdp_hotfix.selftest.runner import worker_env
@@ -102,7 +103,7 @@ def command(run: GpuRun, run_file: str, out_dir: str, python: str = sys.executab
 def environment(run: GpuRun, out_dir: str, path: str | None = None) -> dict[str, str]:
     """The workers' environment: the release first on the path, ``MFSDP_HOTFIX=0`` for the
     shipped variant, ``CUDA_LAUNCH_BLOCKING=1`` exactly for the serialized runs, the audit on for
-    the asynchronous ones."""
+    the asynchronous ones, temporary files in ``out_dir``."""
     env = worker_env(CaseSpec(path=path, hotfix="off" if run.variant == "shipped" else "on"))
     env.pop("CUDA_LAUNCH_BLOCKING", None)
     env.pop("MFSDP_HOTFIX_AUDIT", None)
@@ -111,6 +112,9 @@ def environment(run: GpuRun, out_dir: str, path: str | None = None) -> dict[str,
     else:
         env["MFSDP_HOTFIX_AUDIT"] = audit_prefix(out_dir, run)
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS with several streams
+    # What the runs leave in a temporary folder (torchrun's torchelastic_* when it is killed)
+    # goes with the runs' own folder.
+    env["TMPDIR"] = out_dir
     if run.fake:
         # torch's FakeStore has no set/get: nothing to exchange between ranks in one process
         env["MFSDP_HOTFIX_CROSS_RANK_CHECK"] = "off"
@@ -119,21 +123,21 @@ def environment(run: GpuRun, out_dir: str, path: str | None = None) -> dict[str,
     return env
 
 
-def probe_cuda() -> tuple[int, list[str]]:
-    """(visible CUDA GPUs, their names) as this environment's torch sees them."""
+def probe_cuda() -> int:
+    """The CUDA GPUs visible to this environment's torch. Counted without creating a CUDA
+    context: the driver holds none while the runs use the GPU (they report its name)."""
     import torch
 
     try:
         available = torch.cuda.is_available()
         count = torch.cuda.device_count() if available else 0
-        names = [torch.cuda.get_device_name(i) for i in range(count)]
     except Exception as exc:  # a driver/runtime mismatch, a broken device
         raise CannotRun(f"CUDA does not work here ({type(exc).__name__}: {exc})") from exc
     if not available:
         why = ("this torch is a CPU build" if torch.version.cuda is None
                else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU")
         raise CannotRun(f"no CUDA GPU: {why}")
-    return count, names
+    return count
 
 
 def te_importable() -> bool:
@@ -145,61 +149,56 @@ Launcher = Callable[[list[GpuRun], str, str | None, TextIO], list[GpuRunResult]]
 
 def launch(runs: list[GpuRun], out_dir: str, path: str | None, progress: TextIO
            ) -> list[GpuRunResult]:
-    """Start ``runs`` together, wait for them (killing a run past its timeout), merge each."""
+    """Start ``runs`` together, give them the GPU in turns (``gpu_turns``), wait for them
+    (killing a run past its timeout), merge each. However this ends, no process of theirs is
+    left (``processes.supervised``)."""
     started = time.monotonic()
-    procs = []
-    for run in runs:
-        run_file = os.path.join(out_dir, f"{run.key}.run.json")
-        Path(run_file).write_text(run.to_json())
-        log = open(os.path.join(out_dir, f"{run.key}.log"), "w+b")  # closed below
-        proc = subprocess.Popen(command(run, run_file, out_dir),
-                                env=environment(run, out_dir, path), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        procs.append((run, proc, log))
-    timed_out = {run.key: False for run in runs}
-    last_tick = started
-    try:
-        while any(proc.poll() is None for _, proc, _ in procs):
+    turns = gpu_turns.Turns(runs, out_dir)
+    with processes.supervised() as children, contextlib.ExitStack() as files:
+        procs = []
+        for run in runs:
+            run_file = os.path.join(out_dir, f"{run.key}.run.json")
+            Path(run_file).write_text(run.to_json())
+            log = files.enter_context(open(os.path.join(out_dir, f"{run.key}.log"), "w+b"))
+            proc = children.start(command(run, run_file, out_dir),
+                                  env=environment(run, out_dir, path), stdout=log,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            procs.append((run, proc, log))
+        timed_out = {run.key: False for run in runs}
+        ended = {run.key: started for run in runs}
+        last_tick = started
+        while len(turns.ended) < len(runs):
             now = time.monotonic()
             for run, proc, _ in procs:
                 if proc.poll() is None and now - started > run.timeout_s:
                     timed_out[run.key] = True
-                    _kill(proc)
+                    children.end(proc)
+                if proc.poll() is not None and run.key not in turns.ended:
+                    ended[run.key] = now
+                    turns.end(run)
+            granted = turns.advance()
+            if granted:
+                progress.write(f"selftest:   {' and '.join(r.name for r in granted)}: on the "
+                               f"GPU, {now - started:.1f}s\n")
             if now - last_tick >= 15.0:
                 last_tick = now
                 waiting = ", ".join(run.name for run, proc, _ in procs if proc.poll() is None)
                 progress.write(f"selftest:   still running ({waiting}), {now - started:.0f}s\n")
-                progress.flush()
-            time.sleep(0.2)
-    finally:  # also on Ctrl-C: the runs are in sessions of their own and would go on
-        for _, proc, _ in procs:
-            if proc.poll() is None:
-                _kill(proc)
-    results = []
-    for run, proc, log in procs:
-        code = proc.wait()
-        log.seek(0)
-        tail = log.read().decode(errors="replace")[-6000:]
-        log.close()
-        reports = [_read(report_file(out_dir, run, r)) for r in range(run.processes)]
-        audit = [_read(Path(f"{audit_prefix(out_dir, run)}.rank{r}.json"))
-                 for r in range(run.processes)]
-        result = merge(run, reports, [a for a in audit if a is not None], [code],
-                       timed_out[run.key], tail)
-        result.wall_s = time.monotonic() - started
-        results.append(result)
+            progress.flush()
+            time.sleep(0.05)
+        results = []
+        for run, proc, log in procs:
+            code = proc.wait()
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-6000:]
+            reports = [_read(report_file(out_dir, run, r)) for r in range(run.processes)]
+            audit = [_read(Path(f"{audit_prefix(out_dir, run)}.rank{r}.json"))
+                     for r in range(run.processes)]
+            result = merge(run, reports, [a for a in audit if a is not None], [code],
+                           timed_out[run.key], tail)
+            result.wall_s = ended[run.key] - started
+            results.append(result)
     return results
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """Kill a run: its process and every rank it started. Its own session holds the worker of a
-    fake run; torchrun puts each rank in a session of its own, found by parent."""
-    processes.kill_tree(proc.pid)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -213,27 +212,34 @@ def _read(path: Path) -> dict[str, Any] | None:
 def run_gpu_selftest(plan: GpuPlan, path: str | None = None, out: TextIO | None = None,
                      progress: TextIO | None = None, launcher: Launcher = launch
                      ) -> dict[str, GpuRunResult]:
-    """The serialized runs together, then the shipped and the hotfix runs one after the other
-    (alone on the GPU, as a training job would be); prints the table and the verdict line."""
+    """The four runs, started together and given the GPU in turns; prints the table and the
+    verdict line. Their folder is removed however this ends."""
     stream = out if out is not None else sys.stdout
     talk = progress if progress is not None else sys.stderr
     talk.write(f"selftest: GPU mode: {plan.describe()}\n")
+    talk.write(f"selftest: running {', '.join(r.name for r in plan.runs)} (prepared together, "
+               "on the GPU in turns) ...\n")
+    talk.flush()
     results: dict[str, GpuRunResult] = {}
-    with tempfile.TemporaryDirectory(prefix="mfsdp-gpu-selftest-") as out_dir:
-        by_name = {run.name: run for run in plan.runs}
-        for wave in ([by_name[n] for n in SERIALIZED], [by_name["shipped"]],
-                     [by_name["hotfix"]]):
-            talk.write(f"selftest: running {' and '.join(r.name for r in wave)} ...\n")
-            talk.flush()
-            for result in launcher(wave, out_dir, path, talk):
-                results[result.run.name] = result
-                talk.write(f"selftest: {result.run.name}: {result.outcome()} in "
-                           f"{result.wall_s:.1f}s\n")
-                talk.flush()
+    with processes.supervised() as children:
+        out_dir = children.temp_dir("mfsdp-gpu-selftest-")
+        for result in launcher(plan.runs, out_dir, path, talk):
+            results[result.run.name] = result
+            talk.write(f"selftest: {result.run.name}: {result.outcome()} in "
+                       f"{result.wall_s:.1f}s{_phases(result)}\n")
+    talk.flush()
     stream.write(format_gpu_table(plan, results) + "\n")
     stream.write(conclusion(plan, results)[1] + "\n")
     stream.flush()
     return results
+
+
+def _phases(result: GpuRunResult) -> str:
+    """`` (prepared in 14.2s, 1.6s on the GPU)``: where a run's time went."""
+    if result.prepare_s is None:
+        return ""
+    turn = f", {result.turn_s:.1f}s on the GPU" if result.turn_s is not None else ""
+    return f" (prepared in {result.prepare_s:.1f}s{turn})"
 
 
 def _cell(value: float | int | None, fmt: str) -> str:

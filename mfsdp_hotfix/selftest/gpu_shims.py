@@ -6,9 +6,10 @@ import time). Used by the GPU selftest worker and by ``validation/`` (through
 ``validation/fakepg_shims.py``, which loads this file without importing ``mfsdp_hotfix``, so
 that its "as shipped" cases stay unpatched). This module imports nothing of this package.
 
-* ``install_rs_delay(cycles)``: fault injection. ``torch.cuda._sleep(cycles)`` is enqueued on the
-  current stream right before every ``torch.distributed.reduce_scatter_tensor`` call (inside
-  Megatron-FSDP that is the reduce-scatter stream). Stands in for a slow network or a straggler:
+* ``install_rs_delay(cycles)`` (``set_rs_delay(cycles)`` changes it later): fault injection.
+  ``torch.cuda._sleep(cycles)`` is enqueued on the current stream right before every
+  ``torch.distributed.reduce_scatter_tensor`` call (inside Megatron-FSDP that is the
+  reduce-scatter stream). Stands in for a slow network or a straggler:
   the reduce-scatter, and whatever waits for it, finish later than the next unit's backward.
   ``measure_cycles_per_ms()`` calibrates the cycles with CUDA events.
 
@@ -36,6 +37,7 @@ from torch.distributed import distributed_c10d as c10d
 
 _cuda: Any = torch.cuda  # some of its functions are untyped in torch's stubs
 STATS = {"rs_calls": 0, "rs_sleeps": 0, "event_works": 0, "recorded_tensors": 0}
+_DELAY = {"cycles": 0}  # of the reduce-scatter delay; set_rs_delay changes it
 
 # Calibration: cycles of the largest sleep, repeated; the median of its rate is used.
 CALIBRATION_CYCLES = (1_000_000, 10_000_000, 50_000_000)
@@ -75,17 +77,25 @@ def measure_cycles_per_ms() -> tuple[float, list[tuple[int, float]]]:
 
 
 def install_rs_delay(cycles: int) -> None:
+    """Sleep ``cycles`` before every reduce-scatter (0: none, until :func:`set_rs_delay`)."""
+    set_rs_delay(cycles)
     orig = dist.reduce_scatter_tensor
 
     def reduce_scatter_tensor(*args: Any, **kwargs: Any) -> Any:
         STATS["rs_calls"] += 1
-        if cycles > 0:
-            _cuda._sleep(int(cycles))
+        if _DELAY["cycles"] > 0:
+            _cuda._sleep(_DELAY["cycles"])
             STATS["rs_sleeps"] += 1
         return orig(*args, **kwargs)
 
     reduce_scatter_tensor.__wrapped__ = orig  # type: ignore[attr-defined]
     dist.reduce_scatter_tensor = reduce_scatter_tensor
+
+
+def set_rs_delay(cycles: int) -> None:
+    """The cycles of the installed delay from now on: the shim is installed before the release is
+    imported (which binds it), the delay is calibrated later, in the run's turn on the GPU."""
+    _DELAY["cycles"] = int(cycles)
 
 
 class EventWork:

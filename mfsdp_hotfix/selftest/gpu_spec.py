@@ -30,6 +30,15 @@ class GpuRun:
     ``fake``: one GPU, one process holding a fake 2-rank group with NCCL work semantics;
     otherwise ``ranks`` processes (one per GPU) over NCCL, started by torchrun.
     ``protocol``: how each step's microbatches are driven (``protocol.PROTOCOLS``).
+
+    Why these numbers: ``units`` 6 identical units share the double buffer's two slots, so each
+    backward reuses a slot four times; ``hidden`` 1024 and ``tokens`` 2048 make a unit's
+    backward about 34 GFLOP (``te.LayerNormMLP(1024, 2048)``), about a millisecond in fp32 on an
+    H100 or H200, so a ``delay_ms`` of 20 keeps each reduce-scatter running through the next
+    units' backward with a wide margin (the delay, not the model, makes the race likely); 4
+    ``steps`` of 2 ``microbatches`` are what every recorded run used (docs/USAGE.md); fewer
+    steps were not measured, and would leave the audit fewer reuses to count. The runs spend
+    most of their time starting, not training: see ``gpu_turns``.
     """
 
     variant: str
@@ -101,7 +110,9 @@ class GpuRunResult:
     te_version: str | None = None
     gpu: str | None = None
     hotfix: str | None = None  # mfsdp_hotfix.summary() in the run
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # from the start of the runs to this run's end
+    prepare_s: float | None = None  # its start, to the model sharded (slowest rank)
+    turn_s: float | None = None  # its turn on the GPU: calibration, training, gradients read
     returncodes: list[int | None] = field(default_factory=list)
     log_tail: str = ""
 
@@ -161,6 +172,9 @@ def merge(run: GpuRun, reports: list[dict[str, Any] | None],
     result.hotfix = first.get("hotfix")
     result.cycles_per_ms = first.get("cycles_per_ms")
     result.delay_cycles = first.get("delay_cycles")
+    for name in ("prepare_s", "turn_s"):
+        times = [float(r[name]) for r in present if r.get(name) is not None]
+        setattr(result, name, max(times) if times else None)
     result.rs_calls = sum(int(r.get("rs_calls", 0)) for r in present)
     result.rs_delayed = sum(int(r.get("rs_delayed", 0)) for r in present)
     if audit_files:

@@ -4,16 +4,20 @@ Run by the driver (``gpu``) as ``python -m mfsdp_hotfix.selftest.gpu_worker RUN_
 or under torchrun (one process per GPU; rank from ``RANK``/``LOCAL_RANK``), with the release
 under test importable and ``MFSDP_HOTFIX=0`` for the shipped variant (``mfsdp_hotfix`` itself is
 imported as this module's parent package, before Megatron-FSDP, as a user's ``import
-mfsdp_hotfix`` would be). Order matters: calibrate the fault, install the shims, create the
-process group, then import the release (it binds ``torch.distributed`` names at import).
+mfsdp_hotfix`` would be). Order matters: install the shims, create the process group, then
+import the release (it binds ``torch.distributed`` names at import). Everything up to the sharded
+model is prepared while the other runs prepare too; then the rank waits for its run's turn on the
+GPU (``gpu_turns``), and in it calibrates the delay, arms it, trains and copies the gradients to
+the host.
 
 It trains ``steps`` steps of ``microbatches`` forward/backward passes, driven as ``protocol``
 says (``protocol.accumulate``), each ending with ``finish_grad_sync``, without an optimizer step
 (weights fixed, inputs change per step), keeps each step's local gradient shards on the GPU
 (no host synchronisation between steps, which could hide a race) and reads them back at the end.
-A serialized run saves them (``<variant>-truth.rank<R>.pt``); an asynchronous run compares them,
-bit for bit, with that file. Writes ``OUT_DIR/<run>.rank<R>.json``; exit status 0, or 3 when the
-run crashed (torchrun then stops the other ranks).
+A serialized run saves them (``<variant>-truth.rank<R>.pt``); an asynchronous run waits for that
+file (or the serialized run's end) and compares them with it, bit for bit. Writes
+``OUT_DIR/<run>.rank<R>.json``; exit status 0, or 3 when the run crashed (torchrun then stops the
+other ranks).
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from mfsdp_hotfix.compare import compare
+from mfsdp_hotfix.selftest import gpu_turns
 from mfsdp_hotfix.selftest import protocol as accumulation
 from mfsdp_hotfix.selftest.gpu_spec import DTYPES, ZERO_STRATEGY, GpuRun
 from mfsdp_hotfix.selftest.worker import STANDALONE, VENDORED, _release_info, resolve_flavour
@@ -76,6 +82,40 @@ def compared(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> dict[str,
 
 
 def run_rank(run: GpuRun, out_dir: str, report: dict[str, Any]) -> None:
+    """Prepare, take the run's turn on the GPU, then keep or compare the gradients."""
+    import torch
+
+    rank = report["rank"]
+    prepared = prepare(run, report)
+    report["prepare_s"] = process_age_s()
+    if not gpu_turns.take_turn(out_dir, run, rank):
+        raise TimeoutError(f"no turn on the GPU within {run.timeout_s:.0f}s")
+    turn = time.perf_counter()
+    grads = train(run, report, *prepared)
+    gpu_turns.flag(out_dir, run, "done", rank).touch()
+    report["turn_s"] = time.perf_counter() - turn
+    truth = truth_file(out_dir, run, rank)
+    if run.serialized:
+        partial = truth.with_suffix(".partial")
+        torch.save(grads, partial)
+        partial.replace(truth)  # whole, or not there: an asynchronous run reads it at once
+    elif gpu_turns.wait_for([truth, gpu_turns.flag(out_dir, replace(run, serialized=True),
+                                                   "ended")], run.timeout_s) and truth.exists():
+        report.update(compared(grads, torch.load(truth)))
+    report["crashed"] = False
+
+
+def process_age_s() -> float:
+    """Seconds since this process began (``/proc``): the time to prepare includes the start of
+    the interpreter and the imports before ``main``."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+
+
+def prepare(run: GpuRun, report: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """Everything before the turn: CUDA's context, the shims (the delay not armed yet), the
+    process group, TransformerEngine, the release, the sharded model. (model, device, dtype)."""
     flavour = resolve_flavour(run.flavour)  # before importing torch: fail fast
     import torch
     import torch.distributed as dist
@@ -83,19 +123,15 @@ def run_rank(run: GpuRun, out_dir: str, report: dict[str, Any]) -> None:
     from mfsdp_hotfix.selftest import gpu_shims
     from mfsdp_hotfix.selftest import model as model_lib
 
-    rank = report["rank"]
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     report.update(gpu=torch.cuda.get_device_name(device), torch=torch.__version__,
                   cuda_launch_blocking=os.environ.get("CUDA_LAUNCH_BLOCKING", "0"))
-    rate, _ = gpu_shims.measure_cycles_per_ms()
-    cycles = gpu_shims.delay_cycles(run.delay_ms, rate)
-    report.update(cycles_per_ms=rate, delay_cycles=cycles)
     if run.fake:
         gpu_shims.install_nccl_semantics()
-    gpu_shims.install_rs_delay(cycles)
+    gpu_shims.install_rs_delay(0)  # armed in the turn, once calibrated alone on the GPU
     if run.fake:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -118,6 +154,21 @@ def run_rank(run: GpuRun, out_dir: str, report: dict[str, Any]) -> None:
 
     report["hotfix"] = (mfsdp_hotfix.summary() if mfsdp_hotfix.status()["hotfix"] != "off"
                         else "mfsdp_hotfix: off (MFSDP_HOTFIX=0): the release as shipped")
+    return model, device, dtype
+
+
+def train(run: GpuRun, report: dict[str, Any], model: Any, device: Any, dtype: Any
+          ) -> list[dict[str, Any]]:
+    """The turn: calibrate and arm the delay, train, and copy each step's gradients to the host."""
+    import torch
+
+    from mfsdp_hotfix.selftest import gpu_shims
+
+    rank = report["rank"]
+    rate, _ = gpu_shims.measure_cycles_per_ms()
+    cycles = gpu_shims.delay_cycles(run.delay_ms, rate)
+    report.update(cycles_per_ms=rate, delay_cycles=cycles)
+    gpu_shims.set_rs_delay(cycles)
     gen = torch.Generator(device=device)
     kept = []
     started = time.perf_counter()
@@ -135,13 +186,7 @@ def run_rank(run: GpuRun, out_dir: str, report: dict[str, Any]) -> None:
         kept.append(local_grads(model))
     torch.cuda.synchronize()
     report["train_s"] = time.perf_counter() - started
-    grads = [{name: g.cpu() for name, g in step.items()} for step in kept]
-    truth = truth_file(out_dir, run, rank)
-    if run.serialized:
-        torch.save(grads, truth)
-    elif truth.exists():
-        report.update(compared(grads, torch.load(truth)))
-    report["crashed"] = False
+    return [{name: g.cpu() for name, g in step.items()} for step in kept]
 
 
 def main(argv: list[str]) -> int:

@@ -7,16 +7,17 @@ natively now and then; a case whose rank died by a signal is run once more.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mfsdp_hotfix.selftest import processes
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # folder holding mfsdp_hotfix/
@@ -47,7 +48,10 @@ def worker_env(spec: CaseSpec) -> dict[str, str]:
 
 def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
         list[dict[str, Any] | None], list[int], list[bool], str]:
-    with tempfile.TemporaryDirectory(prefix="mfsdp-selftest-") as tmp:
+    """One try of ``spec``: its ranks, started together, ended (with their folder) whatever ends
+    the wait, a closed pipe or Ctrl-C included (``processes.supervised``)."""
+    with processes.supervised() as children, contextlib.ExitStack() as files:
+        tmp = children.temp_dir("mfsdp-selftest-")
         store = os.path.join(tmp, "store")
         env = worker_env(spec)
         if spec.audit:
@@ -58,9 +62,9 @@ def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
         logs = []
         world = spec.world
         for rank in range(world):
-            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+b")  # closed below
+            log = files.enter_context(open(os.path.join(tmp, f"rank{rank}.log"), "w+b"))
             logs.append(log)
-            procs.append(subprocess.Popen(
+            procs.append(children.start(
                 [spec.python or sys.executable, "-m", "mfsdp_hotfix.selftest.worker",
                  spec.to_json(),
                  str(rank), str(world), store, tmp],
@@ -77,7 +81,7 @@ def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
             if over_time or peer_gone:  # a rank left; its peer may wait in a collective forever
                 for rank, p in enumerate(procs):
                     if p.poll() is None:
-                        p.kill()
+                        children.end(p)
                         killed[rank] = True
                 break
             if tick is not None:
@@ -96,7 +100,6 @@ def _attempt(spec: CaseSpec, tick: Callable[[float], None] | None) -> tuple[
         for rank, log in enumerate(logs):
             log.seek(0)
             text = log.read().decode(errors="replace")
-            log.close()
             why = " (killed by the harness: peer gone or over time)" if killed[rank] else ""
             tail += f"--- rank {rank} (exit {codes[rank]}{why}) ---\n{text[-3000:]}\n"
         return reports, codes, killed, tail

@@ -142,6 +142,7 @@ def test_environment_of_each_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env["shipped"]["MFSDP_HOTFIX"] == "0" and "MFSDP_HOTFIX" not in env["hotfix"]
     assert env["hotfix"]["PYTHONPATH"].split(":")[0] == "/release"
     assert env["hotfix"]["MFSDP_HOTFIX_CROSS_RANK_CHECK"] == "off"  # FakeStore has no get/set
+    assert env["hotfix"]["TMPDIR"] == "/out"  # removed with the runs' folder
     nccl = gpu.environment(gpu.build_plan(2).runs[3], "/out")
     assert "MFSDP_HOTFIX_CROSS_RANK_CHECK" not in nccl
 
@@ -273,20 +274,20 @@ def test_table_and_json() -> None:
     json.dumps(data)
 
 
-def test_driver_runs_serialized_first_then_each_variant_alone() -> None:
+def test_driver_starts_the_four_runs_together() -> None:
     import io
 
-    waves: list[list[str]] = []
+    launches: list[list[str]] = []
 
     def launcher(runs: list[GpuRun], out_dir: str, path: str | None,
                  progress: object) -> list[GpuRunResult]:
-        waves.append([r.name for r in runs])
+        launches.append([r.name for r in runs])
         recorded = _results(PLAN)
         return [recorded[r.name] for r in runs]
 
     out, talk = io.StringIO(), io.StringIO()
     gpu.run_gpu_selftest(PLAN, out=out, progress=talk, launcher=launcher)
-    assert waves == [["shipped serialized", "hotfix serialized"], ["shipped"], ["hotfix"]]
+    assert launches == [["shipped serialized", "hotfix serialized", "shipped", "hotfix"]]
     assert verdict_line(out.getvalue()).startswith("selftest: PASS: ")
     assert "selftest: hotfix: exact" in talk.getvalue()
 
@@ -421,6 +422,10 @@ def test_documented_timing_is_the_recorded_run() -> None:
 STUB_WORKER = '''
 import json, os, sys, time
 from pathlib import Path
+from mfsdp_hotfix.selftest import gpu_turns
+from mfsdp_hotfix.selftest.gpu_spec import GpuRun
+started = time.time()
+spec = GpuRun.from_json(Path(sys.argv[1]).read_text())
 run = json.loads(Path(sys.argv[1]).read_text())
 out = Path(sys.argv[2])
 rank = 0 if run["fake"] else int(os.environ["RANK"])
@@ -432,12 +437,27 @@ if os.environ.get("STUB_CRASH_RANK"):  # that rank raises, its peers wait in a c
     report = {"rank": rank, "crashed": True, "exception": "AssertionError: No buffer found"}
     (out / f"hotfix.rank{rank}.json").write_text(json.dumps(report))
     os._exit(3)
+if os.environ.get("STUB_CRASH_SERIALIZED") and run["serialized"]:
+    os._exit(3)  # before its turn, without a report: its asynchronous run must not wait on
+time.sleep(float(os.environ.get("STUB_PREPARE_S", "0")))
+ready = time.time()
+assert gpu_turns.take_turn(str(out), spec, rank)
+turn = time.time()
+time.sleep(float(os.environ.get("STUB_TURN_S", "0")))
+gpu_turns.flag(str(out), spec, "done", rank).touch()
+done = time.time()
+truth = out / f"{run['variant']}-truth.rank{rank}.pt"
 key = run["variant"] + (" serialized" if run["serialized"] else "")
-report = {"rank": rank, "crashed": False, "rs_delayed": 1,
+report = {"rank": rank, "crashed": False, "rs_delayed": 1, "prepare_s": ready - started,
+          "turn_s": done - turn, "times": [started, ready, turn, done],
           "env": {k: os.environ.get(k) for k in ("CUDA_LAUNCH_BLOCKING", "MFSDP_HOTFIX",
                                                  "WORLD_SIZE", "LOCAL_RANK")}}
-if not run["serialized"]:
-    report.update(compared=True, exact=True, max_abs=0.0, diff_sq=0.0, ref_sq=1.0)
+if run["serialized"]:
+    truth.write_text("truth")
+else:
+    serialized = gpu_turns.flag(str(out), GpuRun(**{**run, "serialized": True}), "ended")
+    if gpu_turns.wait_for([truth, serialized], 60) and truth.exists():
+        report.update(compared=True, exact=True, max_abs=0.0, diff_sq=0.0, ref_sq=1.0)
     audit = {"audit": "on", "copies": [{"reuses": 4, "unordered": 0, "crashed": False}]}
     Path(os.environ["MFSDP_HOTFIX_AUDIT"] + f".rank{rank}.json").write_text(json.dumps(audit))
 (out / (key.replace(" ", "-") + f".rank{rank}.json")).write_text(json.dumps(report))
@@ -476,6 +496,74 @@ def test_launch_starts_each_run_and_reads_every_rank(stub_worker: str, gpus: int
     assert reports["hotfix"]["env"]["MFSDP_HOTFIX"] is None
     if gpus == 2:
         assert reports["hotfix"]["env"]["WORLD_SIZE"] == "2"
+
+
+def test_the_runs_prepare_together_and_take_the_gpu_in_turns(
+        stub_worker: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every run prepares at once; on the GPU the serialized pair shares a turn and each
+    asynchronous run has one to itself, once all are prepared; an asynchronous run compares once
+    its truth is there."""
+    import io
+
+    monkeypatch.setenv("STUB_PREPARE_S", "2")
+    monkeypatch.setenv("STUB_TURN_S", "1")
+    results = {r.run.name: r for r in gpu.launch(gpu.build_plan(1).runs, stub_worker, None,
+                                                 io.StringIO())}
+    times = {name: json.loads((Path(stub_worker) / f"{r.run.key}.rank0.json").read_text())[
+        "times"] for name, r in results.items()}
+    started, ready, turn, done = (list(column) for column in zip(*times.values(), strict=True))
+    assert max(started) < min(ready)  # all were preparing at the same time
+    assert min(times[name][2] for name in ("shipped", "hotfix")) >= max(ready)
+    alone = [(times[name][2], times[name][3]) for name in ("shipped", "hotfix")]
+    for name, (_, _, begin, end) in times.items():
+        for other_begin, other_end in alone:
+            if (other_begin, other_end) != (begin, end):
+                assert end <= other_begin or other_end <= begin, name  # no overlap
+    assert [results[name].outcome() for name in ("shipped", "hotfix")] == ["exact", "exact"]
+    assert all(r.turn_s is not None and r.turn_s >= 1 for r in results.values())
+    assert all(r.prepare_s is not None and r.prepare_s >= 2 for r in results.values())
+
+
+def test_an_asynchronous_run_whose_truth_never_comes_does_not_wait_for_it(
+        stub_worker: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import time
+
+    monkeypatch.setenv("STUB_CRASH_SERIALIZED", "1")
+    began = time.monotonic()
+    results = {r.run.name: r for r in gpu.launch(gpu.build_plan(1).runs, stub_worker, None,
+                                                 io.StringIO())}
+    assert time.monotonic() - began < 50  # the stub would wait 60 s for a truth
+    assert results["shipped serialized"].crashed
+    assert results["shipped"].outcome() == "no truth" and results["hotfix"].outcome() == "no truth"
+
+
+def test_the_real_worker_rehearsed_on_the_cpu(fsdp_release, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real worker (``cpu_rehearsal_worker``: the stand-in for torch.cuda, the CPU for the
+    GPU, no race possible) through the real launcher, on a small model: all four prepare
+    together, the serialized pair has the GPU first, then each asynchronous run alone; the
+    gradients are kept and compared; the audit counts the stand-in's slot reuses, unordered as
+    shipped and none with the hotfix; PASS; the runs' folder is gone."""
+    import io
+    import tempfile
+
+    monkeypatch.setattr(gpu, "WORKER", "cpu_rehearsal_worker")
+    monkeypatch.setenv("PYTHONPATH", f"{Path(__file__).parent}:{REPO}")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    plan = gpu.build_plan(1, hidden=64, tokens=64, timeout_s=240.0)
+    out, talk = io.StringIO(), io.StringIO()
+    results = gpu.run_gpu_selftest(plan, path=str(fsdp_release("0.6.1")), out=out, progress=talk)
+    turns = [line.split(": on the GPU")[0].strip().removeprefix("selftest:").strip()
+             for line in talk.getvalue().splitlines() if ": on the GPU," in line]
+    assert turns[0] == "shipped serialized and hotfix serialized", talk.getvalue()
+    assert sorted(turns[1:]) == ["hotfix", "shipped"]
+    shipped, hotfix = results["shipped"], results["hotfix"]
+    assert hotfix.outcome() == "exact" and hotfix.audit_reuses and hotfix.audit_unordered == 0
+    assert shipped.outcome() == "exact" and shipped.audit_unordered  # the stand-in's clocks
+    assert all(r.prepare_s and r.turn_s for r in results.values())
+    assert verdict_line(out.getvalue()).startswith("selftest: PASS: "), out.getvalue()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_launch_kills_a_run_past_its_timeout(stub_worker: str,

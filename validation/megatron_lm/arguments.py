@@ -87,7 +87,8 @@ keys = ("data_parallel_size", "world_size", "use_megatron_fsdp", "fsdp_double_bu
         "use_distributed_optimizer", "gradient_accumulation_fusion", "bf16", "fp8",
         "recompute_granularity", "recompute_method", "num_experts", "moe_grouped_gemm",
         "fake_process_group", "ckpt_format", "global_batch_size", "micro_batch_size",
-        "deterministic_mode", "transformer_impl", "cross_entropy_loss_fusion")
+        "deterministic_mode", "transformer_impl", "cross_entropy_loss_fusion",
+        "use_transformer_engine_op_fuser")
 out = {k: getattr(args, k, None) for k in keys}
 out["num_microbatches"] = get_num_microbatches()
 print("PARSED " + json.dumps(out))
@@ -102,14 +103,18 @@ def determinism_env(c: dict[str, Any]) -> dict[str, str]:
         if c["deterministic"] else {}
 
 
-def parse_check(release_dir: str, c: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
-    """The case's command line through the release's own ``parse_and_validate_args`` (CPU: the
-    device architecture is given as Hopper's). Returns the parsed settings that the case sets."""
+def parse_check(release_dir: str, c: dict[str, Any], timeout: float = 300.0,
+                args: list[str] | None = None, env: dict[str, str] | None = None
+                ) -> dict[str, Any]:
+    """The case's command line (``args``, by default ``pretrain_args``) through the release's own
+    ``parse_and_validate_args`` (CPU: the device architecture is given as Hopper's), with
+    ``env`` added to the environment. Returns the parsed settings that the case sets."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [release_dir] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-        WORLD_SIZE=str(c["dp"]), RANK="0", LOCAL_RANK="0", **determinism_env(c))
+        WORLD_SIZE=str(c["dp"]), RANK="0", LOCAL_RANK="0", **determinism_env(c), **(env or {}))
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
-    p = subprocess.run([sys.executable, "-c", PARSE_CODE, json.dumps(pretrain_args(c))],
+    argv = pretrain_args(c) if args is None else args
+    p = subprocess.run([sys.executable, "-c", PARSE_CODE, json.dumps(argv)],
                        env=env, capture_output=True, text=True, timeout=timeout)
     for line in p.stdout.splitlines():
         if line.startswith("PARSED "):

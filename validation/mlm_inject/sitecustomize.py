@@ -2,7 +2,9 @@
 itself runs unchanged (``validation/megatron_lm/launch.py`` sets the variables below).
 
 Acts only in the process whose script is ``pretrain_gpt.py`` and only when
-``MFSDP_VAL_MLM_CAPTURE`` names a folder; then, before Megatron is imported:
+``MFSDP_VAL_MLM_CAPTURE`` names a folder, or when ``MFSDP_VAL_MLM_INJECT=1`` (everything below but
+the capture: ``validation/parity_gpu``, whose runs are read by ``mfsdp-hotfix parity`` itself);
+then, before Megatron is imported:
 
 * ``MFSDP_VAL_MLM_FAKE_NCCL=1``: NCCL work semantics for torch's fake process group (Megatron-LM's
   ``--fake-process-group``), and ``MFSDP_VAL_MLM_RS_DELAY_CYCLES``: a ``torch.cuda._sleep`` before
@@ -35,8 +37,12 @@ STATE = {"stages": ["started"], "iterations": 0, "pool_allocations": {}, "buffer
 STEPS = []
 
 
+def _capturing():
+    return bool(os.environ.get("MFSDP_VAL_MLM_CAPTURE"))
+
+
 def _active():
-    return bool(os.environ.get("MFSDP_VAL_MLM_CAPTURE")) and \
+    return (_capturing() or os.environ.get("MFSDP_VAL_MLM_INJECT") == "1") and \
         os.path.basename(sys.argv[0] if sys.argv else "") == "pretrain_gpt.py"
 
 
@@ -61,6 +67,8 @@ def _setup():
     import wrapt
 
     wrapt.register_post_import_hook(_shipped_helpers, "megatron.core.datasets.utils")
+    if not _capturing():
+        return
     wrapt.register_post_import_hook(_wrap_train_step, "megatron.training.training")
     previous = sys.excepthook
 
