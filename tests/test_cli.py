@@ -390,7 +390,7 @@ def test_gpu_selftest_of_a_copy_that_is_not_installed_cannot_run(
     def started(*args: object, **kwargs: object) -> None:
         raise AssertionError("a GPU run was started")
 
-    monkeypatch.setattr(gpu, "probe_cuda", lambda: (1, "a GPU stand-in"))
+    monkeypatch.setattr(gpu, "probe_cuda", lambda: 1)  # one GPU, as torch would count it
     monkeypatch.setattr(gpu, "run_gpu_selftest", started)
     assert cli.main(["selftest", "--gpu", "--flavour", "core"]) == 2
     err = capsys.readouterr().err
