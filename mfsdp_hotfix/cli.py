@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import textwrap
 from importlib import import_module
 
 from .__about__ import __version__
@@ -22,7 +23,8 @@ from .errors import Stopped
 DESCRIPTION = ("Runtime repair of Megatron-FSDP's gradient double-buffer race. 'status' and "
                "'bootstrap-path' work without torch; 'selftest' needs torch and a Megatron-FSDP "
                "copy; 'run' starts a command with the hotfix loaded in every Python process; "
-               "'audit' does the same with the on-the-job audit on and summarises it.")
+               "'audit' does the same with the on-the-job audit on and summarises it; "
+               "'parity' runs a job against Megatron's own DDP and compares every iteration.")
 # Each command's name -> its module in ``commands/``, in the order ``--help`` lists them; ``help``
 # follows, as the parser's own. As pip's ``commands_dict``: a command's module (and what it
 # imports: ``status`` reads every layer of the package) is imported only where that command runs
@@ -52,7 +54,21 @@ def _needed(argv: list[str]) -> list[str]:
     return topic if topic and topic[0] in COMMANDS else list(COMMANDS)
 
 
-class _CommandListFormatter(argparse.HelpFormatter):
+class _WholeWordsFormatter(argparse.HelpFormatter):
+    """Help text wrapped between words only: argparse's own breaks after hyphens, splitting
+    names (``mfsdp-`` / ``hotfix``, ``Megatron-`` / ``FSDP``, ``--no-`` / ``sync``)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width,
+                             break_on_hyphens=False, break_long_words=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(self._whitespace_matcher.sub(" ", text).strip(), width,
+                             initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False, break_long_words=False)
+
+
+class _CommandListFormatter(_WholeWordsFormatter):
     """One line per command: argparse measures the command names without the indent they are
     printed with, so the longest (bootstrap-path) would wrap its help onto a line of its own."""
 
@@ -61,6 +77,14 @@ class _CommandListFormatter(argparse.HelpFormatter):
         for subaction in self._iter_indented_subactions(action):
             self._action_max_length = max(self._action_max_length, self._current_indent + len(
                 self._format_action_invocation(subaction)))
+
+
+def _command_list(commands: argparse._SubParsersAction) -> str:  # type: ignore[type-arg]
+    """``usage``, then each command and what it does, one line each (bare ``mfsdp-hotfix``)."""
+    helps = {action.dest: action.help or "" for action in commands._choices_actions}
+    width = max(map(len, helps))
+    return ("usage: mfsdp-hotfix COMMAND [OPTIONS]\n"
+            "commands:\n" + "".join(f"  {name:<{width}}  {what}\n" for name, what in helps.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,22 +124,24 @@ def _main(argv: list[str] | None) -> int:
         command = loaded[name] = load(name)
         command.add_arguments(commands.add_parser(command.NAME, help=command.HELP,
                                                   usage=command.USAGE,
-                                                  description=command.DESCRIPTION))
+                                                  description=command.DESCRIPTION,
+                                                  formatter_class=_WholeWordsFormatter))
     guide = commands.add_parser(HELP, help="print the commands, or one command's help",
                                 usage="mfsdp-hotfix help [COMMAND]",
                                 description="Print the list of commands, or with COMMAND that "
                                             "command's options (as 'mfsdp-hotfix COMMAND "
-                                            "--help' does).")
-    guide.add_argument("topic", nargs="?", metavar="COMMAND",
-                       choices=[name for name in commands.choices if name != "help"],
-                       help="one of the commands above")
+                                            "--help' does).",
+                                formatter_class=_WholeWordsFormatter)
+    names = [name for name in commands.choices if name != HELP]
+    guide.add_argument("topic", nargs="?", metavar="COMMAND", choices=names,
+                       help=f"one of: {', '.join(names)}")
     args, extra = parser.parse_known_args(argv)
     if extra:  # argparse would blame the top-level parser, and show its usage
         (commands.choices[args.command] if args.command else parser).error(
             f"unrecognized arguments: {' '.join(extra)}")
-    if args.command is None:  # a usage error, with the list of commands
-        sys.stderr.write(parser.format_help())
-        parser.exit(USAGE_ERROR, "mfsdp-hotfix: error: name a COMMAND (see above; 'mfsdp-hotfix "
+    if args.command is None:  # a usage error, with the list of commands, one line each
+        sys.stderr.write(_command_list(commands))
+        parser.exit(USAGE_ERROR, "mfsdp-hotfix: error: name a COMMAND (above; 'mfsdp-hotfix "
                                  "help COMMAND' shows its options)\n")
     if args.command == HELP:
         print((commands.choices[args.topic] if args.topic else parser).format_help(), end="")

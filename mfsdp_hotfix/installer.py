@@ -106,7 +106,7 @@ def install(strict: bool | None = None) -> bool:
             _state.settings = settings_module.read(known_fixes=fix_catalogue.FIX_IDS)
             for problem in _state.settings.problems:
                 if not variables.told(problem):  # the bootstrap wrote it at start already
-                    log.warning("mfsdp_hotfix: %s", problem)
+                    log.warning("%s%s", variables.WARNING, problem)
         settings = _state.settings
         if strict is not None and settings.enabled:
             settings = dataclasses.replace(settings, mode="strict" if strict else "on")

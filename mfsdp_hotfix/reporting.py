@@ -17,6 +17,7 @@ reported ``imported``, with nothing applied.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,7 @@ from .installer import CopyRecord
 from .registry import Copy, Shape
 from .release_defects import defects_of
 from .states import FixState
+from .verdict_text import first_line
 
 HOTFIX_STATES = {
     "off": f"{settings_module.SWITCH}=0 switches every fix off",
@@ -72,6 +74,10 @@ UNPROTECTING = {"off": f"{settings_module.SWITCH}=0",
                               "sitecustomize bootstrap; `mfsdp-hotfix run` or `import "
                               "mfsdp_hotfix` does)",
                 "uninstalled": "mfsdp_hotfix.uninstall() restored the originals"}
+# The same, in the fewest words, for the verdict's first line.
+UNPROTECTING_SHORT = {"off": f"{settings_module.SWITCH}=0",
+                      "not loaded": "hotfix not loaded",
+                      "uninstalled": "hotfix uninstalled"}
 # Every fix that repairs no release defect (:data:`.release_defects.RELEASE_DEFECTS`) repairs
 # a defect of the double buffer, which fsdp_double_buffer=False avoids (README, "Who needs it").
 DOUBLE_BUFFER_OFF = "fsdp_double_buffer=False"
@@ -176,25 +182,50 @@ def verdict(data: dict[str, Any], hotfix: str | None) -> dict[str, Any]:
     that failed at runtime protects nothing from then on, on every copy; a failed install leaves
     copies unpatched): is a copy affected, and is every affected one protected? ``hotfix``: the
     process state (:data:`HOTFIX_STATES`), or None for a folder read from disk (protected there
-    means: repaired where the hotfix is loaded). Returns ``{"affected", "protected", "line"}``."""
+    means: repaired where the hotfix is loaded). Returns ``{"affected", "protected", "line",
+    "details"}``: ``line`` is the state and the one thing to do (:mod:`.verdict_text`'s rule),
+    ``details`` the lines below it: what applies, why not protected, what to use instead, and
+    each configuration refused when a model is built."""
     failures = data.get("failures", {})
     copies = [copy for copy in data["copies"] if _affected(copy)]
     if not copies:
-        where = "; ".join(f"{name(copy)} needs none of the fixes" for copy in data["copies"])
-        return {"affected": False, "protected": None,
-                "line": f"not affected: {where or 'no Megatron-FSDP copy found'}"}
-    head = "affected: " + ", ".join(name(copy) for copy in copies)
-    why, remedies = _unprotected(copies, hotfix, failures)
-    if not why:
+        found = [f"{name(copy)} needs none of the fixes" for copy in data["copies"]]
+        line = (f"not affected: {found[0]}" if len(found) == 1 else
+                f"not affected: none of {len(found)} Megatron-FSDP copies needs a fix" if found
+                else "not affected: no Megatron-FSDP copy found")
+        return {"affected": False, "protected": None, "line": first_line(line),
+                "details": found if len(found) > 1 else []}
+    refusals = _refusals(copies)
+    reasons, short, remedies = _unprotected(copies, hotfix, failures)
+    if not reasons:
         fixes = list(dict.fromkeys(fix for copy in copies
                                    for fix, (state, _) in fix_states(copy, failures).items()
                                    if state in PROTECTING))
-        how = ("repaired where the hotfix is loaded: it applies " if hotfix is None else
-               f"protected: the hotfix is {hotfix} and applies ")
-        return {"affected": True, "protected": True,
-                "line": f"{head} — {how}{', '.join(fixes) or 'none'}{_refused_line(copies)}"}
+        how = ("repaired where the hotfix is loaded" if hotfix is None else
+               f"protected: the hotfix is {hotfix}")
+        return {"affected": True, "protected": True, "line": _first(copies, [how]),
+                "details": [f"applies {', '.join(fixes) or 'none'}", *refusals]}
     return {"affected": True, "protected": False,
-            "line": f"{head} — NOT protected: {why}; {'; '.join(remedies)}"}
+            "line": _first(copies, [f"NOT protected: {', '.join(short)}",
+                                    f"NOT protected: {short[0]} and more (below)",
+                                    "NOT protected (why: below)"],
+                           re.sub(r"^for \S+ (use )", r"\1", remedies[0]) if remedies else ""),
+            "details": ([f"why: {reason}" for reason in reasons]
+                        + [f"instead: {remedy}" for remedy in remedies] + refusals)}
+
+
+def _first(copies: list[dict[str, Any]], states: list[str], todo: str = "") -> str:
+    """``affected: <copies> — <state>; <todo>``, the copies named with their eras where that
+    fits on the first line, else without, else counted (the lines below name them); ``states``:
+    the state in ever fewer words."""
+    def bare(copy: dict[str, Any]) -> str:
+        return " ".join(filter(None, [copy["copy"], copy["version"],
+                                      "(not recognised)" if copy["refused"] else None]))
+    heads = [", ".join(name(copy) for copy in copies), ", ".join(map(bare, copies)),
+             f"{len(copies)} Megatron-FSDP copies" if len(copies) > 1 else
+             bare({**copies[0], "version": None})]
+    lines = [f"affected: {head} — {state}" for state in states for head in dict.fromkeys(heads)]
+    return first_line(lines[0], todo, tuple(lines[1:]))
 
 
 def fix_states(copy: dict[str, Any], failures: Mapping[str, str]) -> dict[str, tuple[str, str]]:
@@ -215,17 +246,17 @@ def _affected(copy: dict[str, Any]) -> bool:
         or any(not limit["covered"] for limit in copy.get("limits", [])))
 
 
-def _refused_line(copies: list[dict[str, Any]]) -> str:
+def _refusals(copies: list[dict[str, Any]]) -> list[str]:
     """The configurations no fix makes right, refused when a model is built (:mod:`.coverage`),
-    each with its workaround; '' where there is none."""
+    a line per workaround: a job in another configuration is not refused."""
     refused: dict[str, dict[str, None]] = {}
     for copy in copies:
         for limit in copy.get("limits", []):
             if limit.get("refused_at_model_construction"):
                 refused.setdefault(limit["workaround"], {})[limit["configuration"]] = None
-    return "".join(f"; refuses {', '.join(configurations)} at model construction (no fix "
-                   f"makes it right): use {workaround}"
-                   for workaround, configurations in refused.items())
+    return [f"refused at model construction, if you build: {', '.join(configurations)} (no "
+            "fix makes it right): " + ("" if workaround.startswith("set ") else "use ")
+            + workaround for workaround, configurations in refused.items()]
 
 
 def name(copy: dict[str, Any]) -> str:
@@ -238,12 +269,14 @@ def name(copy: dict[str, Any]) -> str:
 
 
 def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
-                 failures: Mapping[str, str]) -> tuple[str, list[str]]:
-    """Why the affected ``copies`` are not protected ('' when they are), and what to use
-    instead: fsdp_double_buffer=False for a refused copy or a double-buffer fix that does not
-    protect, and the first workaround of each release defect left unrepaired. A refused copy is
-    told with the fixes it keeps and those left as shipped."""
+                 failures: Mapping[str, str]) -> tuple[list[str], list[str], list[str]]:
+    """Why the affected ``copies`` are not protected (nothing when they are), the same in a
+    few words each for the first line, and what to use instead: fsdp_double_buffer=False for a
+    refused copy or a double-buffer fix that does not protect, and the first workaround of each
+    release defect left unrepaired. A refused copy is told with the fixes it keeps and those
+    left as shipped."""
     reasons: list[str] = []
+    short: list[str] = []
     remedies: list[str] = []
     for copy in copies:
         defects = copy.get("release_defects", [])
@@ -265,6 +298,7 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
             refused = by_state.pop(FixState.REFUSED, [])
             told.append((f"{', '.join(refused)} " if refused else "")
                         + f"left as shipped ({copy['reason']})")
+            short.append("left as shipped")
             kept = [fix for fix, (state, _) in states.items() if state in PROTECTING]
             if kept and hotfix not in UNPROTECTING:
                 told.append(f"the hotfix still applies {', '.join(kept)}")
@@ -272,22 +306,29 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
             for state, fixes in by_state.items():
                 told += ([f"{fix} failed ({states[fix][1]})" for fix in fixes]
                          if state == FixState.FAILED else [f"{', '.join(fixes)} {state}"])
-        told += [_unrepaired(defect, copy) for defect in defects if defect["fix"] is None]
+                short.append(f"{', '.join(fixes)} {state}")
+        unrepaired = [defect for defect in defects if defect["fix"] is None]
+        told += [_unrepaired(defect, copy) for defect in unrepaired]
+        if unrepaired:  # named in the details
+            short.append(f"{len(unrepaired)} defect{'s' if len(unrepaired) > 1 else ''} not "
+                         "repaired")
         if told:
             reasons.append(named + "; ".join(told))
     if installer.INSTALL_FAILURE in failures:
         reasons.append(f"installing the hotfix failed ({failures[installer.INSTALL_FAILURE]})")
+        short.append("installing the hotfix failed")
         remedies.append(f"use {DOUBLE_BUFFER_OFF}")
     if hotfix in UNPROTECTING and any(remedies):
         reasons.insert(0, UNPROTECTING[hotfix])
+        short = [UNPROTECTING_SHORT[hotfix]]
     # each once, the one that covers most first
     remedies = sorted(dict.fromkeys(remedies), key=lambda r: r != f"use {DOUBLE_BUFFER_OFF}")
-    return "; ".join(reasons), remedies
+    return reasons, list(dict.fromkeys(short)), remedies
 
 
 def remedies(copy: dict[str, Any], hotfix: str | None) -> list[str]:
     """What to use instead for what ``copy`` leaves unprotected: the verdict's advice for it."""
-    return _unprotected([copy], hotfix, {})[1]
+    return _unprotected([copy], hotfix, {})[2]
 
 
 def _unrepaired(defect: dict[str, Any], copy: dict[str, Any]) -> str:

@@ -75,6 +75,10 @@ def meant_for(name: str) -> str | None:
                 None)
 
 
+# What every warning about the settings starts with, in a job and in ``mfsdp-hotfix status``.
+WARNING = "mfsdp_hotfix: warning: "
+
+
 def tell_once(warnings: list[str]) -> list[str]:
     """Write each warning not yet told in this process to stderr; returns those written (the
     bootstrap tells first, so that ``install()`` and ``status`` do not repeat it)."""
@@ -83,7 +87,7 @@ def tell_once(warnings: list[str]) -> list[str]:
     new = [w for w in warnings if w not in _told]
     for warning in new:
         _told.add(warning)
-        sys.stderr.write(f"mfsdp_hotfix: warning: {warning}\n")
+        sys.stderr.write(f"{WARNING}{warning}\n")
     return new
 
 

@@ -1451,5 +1451,15 @@ claim(PR_DOC, "measured {:.3f} and {:.3f} (megatron-fsdp 0.6.1) and {:.3f} (mega
                          perf_ratio(t, "core-0.19.2", "0 ms")))
 
 
+# ---------------------------------------------------------------------------------------------
+# docs/CLI.md and docs/USAGE.md: the verdict rule's first-line length, from the code.
+
+VERDICT_TEXT = "code mfsdp_hotfix/verdict_text.py"
+claim("docs/CLI.md", "the one thing to do, at most {} characters", VERDICT_TEXT,
+      lambda c: (c["FIRST_LINE_MAX"],))
+claim("docs/USAGE.md", "The line is at most {} characters", VERDICT_TEXT,
+      lambda c: (c["FIRST_LINE_MAX"],))
+
+
 if __name__ == "__main__":
     main()

@@ -15,11 +15,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from installed import installed  # noqa: E402, F401  (session fixture: this package as installed)
 
-# The end of the first line of ``status`` for a copy whose ZeRO-1 and no_shard reduce twice
-# without overlap: no fix makes HSDP right there (neither the release nor reduce-once).
-REFUSES_HSDP = ("; refuses HSDP with ZeRO-1 (optim) and overlap_grad_reduce=False, HSDP with "
-                "no_shard and overlap_grad_reduce=False at model construction (no fix makes it "
-                "right): use overlap_grad_reduce=True (the default)")
+# The detail line of ``status``'s verdict for a copy whose ZeRO-1 and no_shard reduce twice without
+# overlap: no fix makes HSDP right there (neither the release nor reduce-once).
+REFUSES_HSDP = ("refused at model construction, if you build: HSDP with ZeRO-1 (optim) and "
+                "overlap_grad_reduce=False, HSDP with no_shard and overlap_grad_reduce=False (no "
+                "fix makes it right): use overlap_grad_reduce=True (the default)")
+
+
+def verdict_line(text: str) -> str:
+    """The verdict of ``audit`` or ``selftest``: the last line of ``text`` that is not indented
+    (the verdict's details below it are; docs/CLI.md, "Verdicts")."""
+    return [line for line in text.splitlines() if line and not line.startswith(" ")][-1]
 
 
 def run_python(code: str, *path: Path | str, env: dict[str, str] | None = None,

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REFUSES_HSDP, FixStates, run_python
+from conftest import REFUSES_HSDP, FixStates, run_python, verdict_line
 
 from mfsdp_hotfix import bootstrap, reporting
 
@@ -95,12 +95,15 @@ def test_a_release_defect_no_fix_repairs_fails_the_check(fsdp_release) -> None:
     code, data = status(Path(ARMED), fsdp_release("0.2.3"))
     line = data["verdict"]["line"]
     assert code == 1 and data["verdict"]["protected"] is False, line
-    assert line.startswith("affected: megatron-fsdp 0.2.3 (era A) — NOT protected: "
-                           "sharded-grads-summed-unscaled is not repaired by the hotfix (it "
-                           "hits ZeRO-2/3 (optim_grads, optim_grads_params) over 2 or more "
-                           "data-parallel ranks"), line
-    assert line.endswith("; for sharded-grads-summed-unscaled use calculate_per_token_loss=True "
-                         "(the release scales nothing; the loss carries the normalisation)")
+    assert line == ("affected: megatron-fsdp 0.2.3 (era A) — NOT protected: 1 defect not "
+                    "repaired; use calculate_per_token_loss=True"), line
+    details = data["verdict"]["details"]
+    assert details[0].startswith("why: sharded-grads-summed-unscaled is not repaired by the "
+                                 "hotfix (it hits ZeRO-2/3 (optim_grads, optim_grads_params) over "
+                                 "2 or more data-parallel ranks"), details
+    assert details[1] == ("instead: for sharded-grads-summed-unscaled use "
+                          "calculate_per_token_loss=True (the release scales nothing; the loss "
+                          "carries the normalisation)"), details
     (defect,) = [d for d in data["copies"][0]["release_defects"] if d["fix"] is None]
     assert defect["name"] == "sharded-grads-summed-unscaled" and not defect["repaired"]
     assert defect["carrier"] == {"function": "GradReducePipeline._bucket_group_gradient_reduce",
@@ -108,7 +111,7 @@ def test_a_release_defect_no_fix_repairs_fails_the_check(fsdp_release) -> None:
     assert any("release defect sharded-grads-summed-unscaled not repaired" in problem
                for problem in data["unfixed"])
     proc = run_python("", ARMED, fsdp_release("0.2.3"), args=("-m", "mfsdp_hotfix", "status"))
-    assert proc.stdout.splitlines()[1] == (
+    assert next(line for line in proc.stdout.splitlines() if line.startswith("- ")) == (
         "- megatron-fsdp 0.2.3 (era A): getter-guard, ordered-drain, missed-post-backward, "
         "zero1-accumulate, single-rank-reduce would apply; sharded-grads-summed-unscaled NOT "
         "repaired; for "
@@ -192,11 +195,22 @@ def test_a_misspelt_switch_is_told_once_on_stderr(fsdp_release, route: str) -> N
                       args=("-m", "mfsdp_hotfix", "status", "--check"))
     warning = ("MFSDP_HOTFX is not a variable mfsdp_hotfix reads (did you mean MFSDP_HOTFIX?); "
                "it is ignored")
-    said = "mfsdp_hotfix: warning: " if route == "bootstrap" else "mfsdp-hotfix status: warning: "
-    assert proc.stderr == f"{said}{warning}\n" and "MFSDP_HOTFX" not in proc.stdout
+    # one prefix, whichever route tells it (in a job: the bootstrap or install(); here: status)
+    assert proc.stderr == f"mfsdp_hotfix: warning: {warning}\n", proc.stderr
+    assert "MFSDP_HOTFX" not in proc.stdout
     if route == "bootstrap":
         assert proc.returncode == 0 and proc.stdout.startswith(
             "affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed"), proc.stdout
+
+
+def test_a_misspelt_switch_is_told_with_the_same_prefix_by_install(fsdp_release) -> None:
+    """Where no bootstrap ran (``import mfsdp_hotfix`` in a script), ``install()`` tells it
+    through the logger, with the prefix the bootstrap and ``status`` use."""
+    proc = run_python("import logging; logging.basicConfig(format='%(message)s')\n"
+                      "import mfsdp_hotfix; mfsdp_hotfix.install()", fsdp_release("0.5.1"),
+                      env={"MFSDP_HOTFX": "0"})
+    assert proc.stderr == ("mfsdp_hotfix: warning: MFSDP_HOTFX is not a variable mfsdp_hotfix "
+                           "reads (did you mean MFSDP_HOTFIX?); it is ignored\n"), proc.stderr
 
 
 def test_the_verdict_of_a_switched_off_install(fsdp_release) -> None:
@@ -204,11 +218,13 @@ def test_the_verdict_of_a_switched_off_install(fsdp_release) -> None:
     assert data["verdict"] == {
         "affected": True, "protected": False,
         "line": "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: MFSDP_HOTFIX=0; use "
-                "fsdp_double_buffer=False; for zero1-fused-wgrad-overwrite use ZeRO-2 or ZeRO-3 "
-                "(optim_grads, optim_grads_params); for unsharded-grads-reduced-twice use "
-                "overlap_grad_reduce=True (the default); for "
-                "single-rank-grads-reduced-every-microbatch use one microbatch per step, on "
-                "megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later"}
+                "fsdp_double_buffer=False",
+        "details": ["why: MFSDP_HOTFIX=0", "instead: use fsdp_double_buffer=False",
+                    "instead: for zero1-fused-wgrad-overwrite use ZeRO-2 or ZeRO-3 (optim_grads, "
+                    "optim_grads_params)", "instead: for unsharded-grads-reduced-twice use "
+                    "overlap_grad_reduce=True (the default)", "instead: for "
+                    "single-rank-grads-reduced-every-microbatch use one microbatch per step, on "
+                    "megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later"]}
 
 
 def test_the_api_answers_for_this_process(fsdp_release) -> None:
@@ -218,9 +234,9 @@ def test_the_api_answers_for_this_process(fsdp_release) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == {
         "affected": True, "protected": True,
-        "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active and "
-                "applies ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce"
-                + REFUSES_HSDP}
+        "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active",
+        "details": ["applies ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce",
+                    REFUSES_HSDP]}
 
 
 def test_disabled_fix_fails_the_check(fsdp_release) -> None:
@@ -267,17 +283,17 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
     if path_kind == "none":
         assert lines[0] == "not affected: no Megatron-FSDP copy found"
         return
-    assert lines[:2] == [
-        "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed and applies "
-        "getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce; "
-        "refuses HSDP with ZeRO-1 "
-        "(optim) and overlap_grad_reduce=False at model construction (no fix makes it right): "
-        "use overlap_grad_reduce=True (the default)",
+    assert lines[:4] == [
+        "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed",
+        "  applies getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce",
+        "  refused at model construction, if you build: HSDP with ZeRO-1 (optim) and "
+        "overlap_grad_reduce=False (no fix makes it right): use overlap_grad_reduce=True (the "
+        "default)",
         "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate, "
         f"reduce-once, single-rank-reduce would apply; at "
         f"{fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
-    assert lines[2].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
-                             "on PYTHONPATH") and len(lines) == 4, lines
+    assert lines[4].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
+                             "on PYTHONPATH") and len(lines) == 6, lines
     assert "main_grad_getter" not in proc.stdout and "release defect " not in proc.stdout
     verbose = run_python("", ARMED, *path, args=("-m", "mfsdp_hotfix", "status",
                                                  "--verbose")).stdout
@@ -328,8 +344,8 @@ def test_selftest_without_numpy_says_it_cannot_run() -> None:
     proc = run_python("", args=("-c", "import sys; sys.modules['numpy'] = None; "
                                 "from mfsdp_hotfix.cli import main; sys.exit(main(['selftest']))"))
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "selftest: CANNOT RUN: no numpy in this environment."), proc.stderr
+    assert verdict_line(proc.stderr).startswith(
+        "selftest: CANNOT RUN: no numpy in this environment; `pip install numpy`"), proc.stderr
 
 
 @pytest.mark.parametrize("gpu", [False, True])
@@ -341,25 +357,60 @@ def test_selftest_refuses_a_path_that_is_not_a_folder(tmp_path: Path, gpu: bool)
         proc = run_python("", args=("-m", "mfsdp_hotfix", "selftest", "--path", str(path),
                                     "--json", *(["--gpu"] if gpu else [])))
         assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
-        assert proc.stderr.splitlines()[-1].startswith(
-            f"selftest: CANNOT RUN: --path {path}"), proc.stderr
+        assert verdict_line(proc.stderr).startswith("selftest: CANNOT RUN: --path "), proc.stderr
+        assert f"--path {path}" in proc.stderr and why in proc.stderr, proc.stderr
         data = json.loads(proc.stdout)
         assert data["verdict"] == "CANNOT RUN" and why in data["cannot_run"]
 
 
 def test_selftest_of_a_copy_that_is_not_installed_cannot_run() -> None:
     """``--flavour core`` without megatron-core: nothing was tested, which is no FAIL of a fix;
-    the line names the package that is missing."""
+    the line names the package to install, and it is known before any worker starts (as
+    ``status`` knows it)."""
     if importlib.util.find_spec("megatron") is not None:
         pytest.skip("megatron-core is installed in this environment")
-    proc = run_python("", args=("-m", "mfsdp_hotfix", "selftest", "--flavour", "core"))
-    assert proc.returncode == 2, proc.stdout[-2000:]
-    assert proc.stdout.splitlines()[-1] == (
-        "selftest: CANNOT RUN: megatron-core's copy of Megatron-FSDP (--flavour core) cannot be "
-        "imported: megatron-core is not installed here (ModuleNotFoundError: No module named "
-        "'megatron'); install megatron-core, or give --path a folder that holds it. Nothing was "
-        "tested"), proc.stdout
-    assert "with hotfix" not in proc.stdout  # the second run would fail the same way
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "selftest", "--flavour", "core"),
+                      timeout=60)
+    # no progress line: no worker was started
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:]
+    assert proc.stderr == (
+        "selftest: CANNOT RUN: megatron-core is not installed here; install megatron-core, or "
+        "give --path a folder that holds it\n  nothing was started or tested\n"), proc.stderr
+
+
+def test_gpu_selftest_of_a_copy_that_is_not_installed_cannot_run(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--gpu --flavour core`` without megatron-core, on a machine with a GPU (its probe
+    stands in here): CANNOT RUN with what to install, exit 2, before any run starts."""
+    if importlib.util.find_spec("megatron") is not None:
+        pytest.skip("megatron-core is installed in this environment")
+    from mfsdp_hotfix import cli
+    from mfsdp_hotfix.selftest import gpu
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a GPU run was started")
+
+    monkeypatch.setattr(gpu, "probe_cuda", lambda: 1)  # one GPU, as torch would count it
+    monkeypatch.setattr(gpu, "run_gpu_selftest", started)
+    assert cli.main(["selftest", "--gpu", "--flavour", "core"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("selftest: CANNOT RUN: megatron-core is not installed here; install "
+                          "megatron-core"), err
+
+
+def test_selftest_of_a_folder_without_a_copy_tests_nothing(fsdp_release, tmp_path: Path) -> None:
+    """``--path DIR`` tests the copy in DIR: a folder that holds none is refused before anything
+    runs, even where another copy is installed (here megatron-fsdp 0.4.0 on PYTHONPATH)."""
+    for extra in ([], ["--json"]):
+        proc = run_python("", fsdp_release("0.4.0"), timeout=60,
+                          args=("-m", "mfsdp_hotfix", "selftest", "--path", str(tmp_path), *extra))
+        if extra:
+            assert json.loads(proc.stdout)["verdict"] == "CANNOT RUN"
+            continue
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:]
+        assert proc.stderr.startswith("selftest: CANNOT RUN: no Megatron-FSDP copy in --path"), \
+            proc.stderr
+        assert f"--path DIR tests the copy in DIR alone; {tmp_path} holds none" in proc.stderr
 
 
 def test_version() -> None:
@@ -370,13 +421,32 @@ def test_version() -> None:
 
 
 def test_no_command_lists_the_commands_one_line_each() -> None:
-    """Bare ``mfsdp-hotfix`` is a usage error (exit 2) that shows every command."""
+    """Bare ``mfsdp-hotfix`` is a usage error (exit 2) that shows the usage, every command on a
+    line of its own and the error: not the whole help (docs/CLI.md)."""
     proc = run_python("", args=("-c", NO_TORCH), env={"COLUMNS": "100"})
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout
-    listed = re.findall(r"^    (\S+) +\S", proc.stderr, re.M)
-    assert listed == ["status", "selftest", "run", "audit", "parity", "bootstrap-path", "help"], (
-        proc.stderr)
-    assert proc.stderr.rstrip().endswith("'mfsdp-hotfix help COMMAND' shows its options)")
+    usage, title, *listed, error = proc.stderr.splitlines()
+    assert (usage, title) == ("usage: mfsdp-hotfix COMMAND [OPTIONS]", "commands:"), proc.stderr
+    assert [re.match(r"  (\S+)  +\S", line).group(1) for line in listed] == [
+        "status", "selftest", "run", "audit", "parity", "bootstrap-path", "help"], proc.stderr
+    assert error == ("mfsdp-hotfix: error: name a COMMAND (above; 'mfsdp-hotfix help COMMAND' "
+                     "shows its options)"), proc.stderr
+
+
+@pytest.mark.parametrize("command", ["", "status", "selftest", "run", "audit", "parity",
+                                     "bootstrap-path", "help"])
+def test_help_wraps_between_words_and_names_what_it_points_to(command: str) -> None:
+    """argparse's own wrapping breaks after a hyphen (``mfsdp-`` / ``hotfix``); ``help
+    --help`` names the commands it takes instead of pointing 'above' at nothing."""
+    proc = run_python("", args=("-c", NO_TORCH, *command.split(), "--help"),
+                      env={"COLUMNS": "60"})
+    assert proc.returncode == 0, proc.stderr
+    broken = [line for line in proc.stdout.splitlines() if re.search(r"[A-Za-z]-$", line)]
+    assert not broken, proc.stdout
+    assert "above" not in proc.stdout, proc.stdout
+    if command == "help":
+        assert "one of: status, selftest, run, audit, parity, bootstrap-path" in " ".join(
+            proc.stdout.split())
 
 
 @pytest.mark.parametrize("command", ["", "status", "audit"])
@@ -466,25 +536,29 @@ def test_a_refused_copy_is_told_what_still_applies_what_is_left_and_each_workaro
         "missed-post-backward": "would apply", "zero1-accumulate": "would apply",
         "reduce-once": "not needed", "single-rank-reduce": "would apply",
         "core-linear-accumulate": "not needed"}
-    line = data["verdict"]["line"]
-    assert code == 1 and line.startswith(
-        "affected: megatron-fsdp 0.2.3 (not recognised) — NOT protected: getter-guard, "
-        "ordered-drain left as shipped (unrecognised code shape in _enforce_double_buffer_limit "
-        "(fingerprint "), line
+    line, details = data["verdict"]["line"], data["verdict"]["details"]
+    assert code == 1 and line == (
+        "affected: megatron-fsdp (not recognised) — NOT protected: left as shipped and more "
+        "(below); use fsdp_double_buffer=False"), line
+    assert details[0].startswith(
+        "why: getter-guard, ordered-drain left as shipped (unrecognised code shape in "
+        "_enforce_double_buffer_limit (fingerprint "), details
     assert ("; the hotfix still applies missed-post-backward, zero1-accumulate, "
             "single-rank-reduce; sharded-grads-summed-unscaled is not repaired by the hotfix (it "
-            "hits ZeRO-2/3") in line
-    assert line.endswith("; use fsdp_double_buffer=False; for sharded-grads-summed-unscaled use "
-                         "calculate_per_token_loss=True (the release scales nothing; the loss "
-                         "carries the normalisation)"), line
+            "hits ZeRO-2/3") in details[0]
+    assert details[1:3] == ["instead: use fsdp_double_buffer=False", (
+        "instead: for sharded-grads-summed-unscaled use calculate_per_token_loss=True (the "
+        "release scales nothing; the loss carries the normalisation)")], details
     proc = run_python("", ARMED, refused_023, args=("-m", "mfsdp_hotfix", "status"))
-    assert proc.stdout.splitlines()[:2] == [line, (
+    lines = proc.stdout.splitlines()
+    assert lines[0] == line and lines[1:len(details) + 1] == [f"  {d}" for d in details]
+    assert lines[len(details) + 1] == (
         "- megatron-fsdp 0.2.3 (not recognised): REFUSED: getter-guard, ordered-drain left as "
         "shipped; missed-post-backward, zero1-accumulate, single-rank-reduce would apply; "
         "sharded-grads-summed-unscaled NOT repaired; use fsdp_double_buffer=False; for "
         "sharded-grads-summed-unscaled use calculate_per_token_loss=True (the release scales "
         "nothing; the loss carries the normalisation); --verbose: why; at "
-        f"{refused_023 / 'megatron_fsdp'}")], proc.stdout
+        f"{refused_023 / 'megatron_fsdp'}"), proc.stdout
 
 
 @pytest.mark.parametrize("path", [False, True])
@@ -548,11 +622,11 @@ def test_status_tells_a_one_rank_user_whether_the_size_one_defect_is_repaired(
     assert f"    release defect single-rank-grads-reduced-every-microbatch: {state}" in lines
     assert any(line.startswith(SIZE_ONE_WHEN) for line in lines), proc.stdout
     if unfixed is None:
-        assert " — protected: the hotfix is armed and applies ordered-drain, zero1-accumulate, " \
-            "reduce-once, single-rank-reduce" in lines[0], lines[0]
+        assert lines[0].endswith(" — protected: the hotfix is armed") and lines[1] == (
+            "  applies ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce"), lines
         return
-    assert " — NOT protected: " in lines[0] and lines[0].endswith(
-        "; for single-rank-grads-reduced-every-microbatch use one microbatch per step, on "
-        "megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later"), lines[0]
+    assert " — NOT protected: " in lines[0] and (
+        "  instead: for single-rank-grads-reduced-every-microbatch use one microbatch per step, "
+        "on megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later") in lines, lines
     left = lines[lines.index("Left unfixed:") + 1:]
     assert any(line.endswith(f": {unfixed}") for line in left), left

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import releases
-from conftest import FixStates, run_python
+from conftest import REFUSES_HSDP, FixStates, run_python
 
 REPORT = """
 import json, sys
@@ -338,8 +338,13 @@ incidents.report("ordered-drain", "_enforce_double_buffer_limit", RuntimeError("
                              fsdp051))
     verdict = data["status"]["verdict"]
     assert verdict == {"affected": True, "protected": False, "line": (
-        "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: ordered-drain failed "
-        "(_enforce_double_buffer_limit: RuntimeError: boom); use fsdp_double_buffer=False")}
+        "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: ordered-drain failed; use "
+        "fsdp_double_buffer=False"), "details": [
+        "why: ordered-drain failed (_enforce_double_buffer_limit: RuntimeError: boom)",
+        "instead: use fsdp_double_buffer=False",
+        "refused at model construction, if you build: ZeRO-2/3 (optim_grads, optim_grads_params) "
+        "with fsdp_double_buffer=True (no fix makes it right): set fsdp_double_buffer=False",
+        REFUSES_HSDP]}
     assert fixes(data)["ordered-drain"] == "failed"
     (copy,) = data["status"]["copies"]
     assert copy["fixes"]["ordered-drain"]["reason"] == (
@@ -364,15 +369,14 @@ def test_a_refused_copy_keeps_and_names_the_fixes_that_rest_on_none_of_it(
                            "missed-post-backward": "applied", "zero1-accumulate": "applied",
                            "reduce-once": "not needed", "single-rank-reduce": "applied",
                            "core-linear-accumulate": "not needed"}
-    line = data["status"]["verdict"]["line"]
-    assert line.startswith("affected: megatron-fsdp 0.2.3 (not recognised) — NOT protected: "
-                           "getter-guard, ordered-drain left as shipped (unrecognised code "
+    line = "\n".join(data["status"]["verdict"]["details"])
+    assert line.startswith("why: getter-guard, ordered-drain left as shipped (unrecognised code "
                            "shape in _enforce_double_buffer_limit"), line
     assert ("; the hotfix still applies missed-post-backward, zero1-accumulate, "
             "single-rank-reduce; ") in line
-    assert line.endswith("; use fsdp_double_buffer=False; for sharded-grads-summed-unscaled use "
-                         "calculate_per_token_loss=True (the release scales nothing; the loss "
-                         "carries the normalisation)"), line
+    assert ("\ninstead: use fsdp_double_buffer=False\ninstead: for sharded-grads-summed-unscaled "
+            "use calculate_per_token_loss=True (the release scales nothing; the loss carries the "
+            "normalisation)\n") in line, line
     assert ("Still applied: missed-post-backward, zero1-accumulate, single-rank-reduce"
             in proc.stderr)
     assert ("sharded-grads-summed-unscaled (ZeRO-2/3 (optim_grads, optim_grads_params) over 2 or "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import releases
-from conftest import REPO
+from conftest import REPO, verdict_line
 
 from mfsdp_hotfix import reporting
 
@@ -75,7 +75,7 @@ def test_install_lines_leave_a_training_environment_alone(tmp_path: Path) -> Non
     proc = subprocess.run(fresh.replace("/tmp/mfsdp-try", str(venv)), shell=True, cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1].startswith("selftest: PASS: "), proc.stdout
+    assert verdict_line(proc.stdout).startswith("selftest: PASS: "), proc.stdout
 
     # That environment now trains with megatron-fsdp 0.5.1, as a user's image would.
     pip = venv / "bin" / "pip"
@@ -155,3 +155,55 @@ def test_the_docs_speak_of_the_project_alone() -> None:
     for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         found = words.findall(path.read_text())
         assert not found, (path.name, found)
+
+
+def test_the_readme_sections_named_elsewhere_exist() -> None:
+    """The docs and the package's messages send users to README sections by title (README,
+    "Try it"; the README's "…"): each title is one of the README's headings."""
+    headings = re.findall(r"^#{2,3} (.+)$", README, re.M)
+    named = re.compile(r"README(?:'s)?,? [\"']([^\"']+)[\"']")
+    paths = [*sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "mfsdp_hotfix").rglob("*.py"))]
+    for path in paths:
+        for title in named.findall(path.read_text()):
+            assert any(heading.startswith(title) for heading in headings), (path.name, title)
+
+
+def examples(text: str) -> list[list[str]]:
+    """The README's examples of output: its blocks indented by four spaces, each a list of
+    lines without that indent."""
+    blocks = re.findall(r"(?:^ {4}.+\n)+", text, re.M)
+    return [[line[4:] for line in block.splitlines()] for block in blocks]
+
+
+def test_the_first_screen_is_what_status_prints(fsdp_release) -> None:
+    """The first screen's example is the first lines ``status`` prints for megatron-fsdp 0.6.1
+    with the hotfix loaded in every new process (here its sitecustomize bootstrap)."""
+    from conftest import run_python
+
+    from mfsdp_hotfix import bootstrap
+
+    first_screen = README.split("\n## ", 1)[0]
+    assert len(first_screen.splitlines()) <= 32, "the first screen is about 30 lines"
+    assert {"pip install .", "mfsdp-hotfix status", "mfsdp-hotfix selftest"} <= set(
+        shell_lines(first_screen))
+    (shown,) = examples(first_screen)
+    proc = run_python("", bootstrap.SITECUSTOMIZE_DIR, fsdp_release("0.6.1"),
+                      args=("-m", "mfsdp_hotfix", "status"))
+    assert proc.stdout.splitlines()[:len(shown)] == shown, proc.stdout
+    assert proc.stdout.splitlines()[len(shown)].startswith("- megatron-fsdp 0.6.1"), proc.stdout
+
+
+def test_the_audit_example_is_what_the_audit_prints(tmp_path: Path) -> None:
+    """'Check your own job' shows the audit's verdict of an ordered job: the first lines the
+    command prints for rank files that say so."""
+    from conftest import run_python
+
+    (shown,) = examples(README.split("### Check your own job", 1)[1].split("\n## ", 1)[0])
+    rank_file = ("import json, os; json.dump({'rank': 0, 'world_size': 1, 'final': True, "
+                 "'audit': 'on', 'copies': [{'package': 'megatron_fsdp', 'version': '0.6.1', "
+                 "'era': 'C', 'fixes': [], 'reuses': 36, 'unordered': 0, 'unseen': 0, "
+                 "'crashed': False}]}, open(os.environ['MFSDP_HOTFIX_AUDIT'] + '.rank0.json', "
+                 "'w'))")
+    proc = run_python("", args=("-m", "mfsdp_hotfix", "audit", "--out", str(tmp_path / "run1"),
+                                "--", sys.executable, "-c", rank_file))
+    assert proc.returncode == 0 and proc.stdout.splitlines()[:len(shown)] == shown, proc.stdout

@@ -139,7 +139,7 @@ def test_cli_text_json_and_check(capsys: pytest.CaptureFixture[str], tmp_path: P
     release = str(releases.unpacked("megatron-fsdp", "0.5.1"))
     code, out, _ = run_cli(capsys, "--path", release)
     assert code == 0 and out.startswith("affected: megatron-fsdp 0.5.1 (era B) — repaired where "
-                                        "the hotfix is loaded: it applies getter-guard")
+                                        "the hotfix is loaded\n  applies getter-guard")
     assert "\n- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain" in out
     code, out, _ = run_cli(capsys, "--path", release, "--verbose")
     assert code == 0 and "- megatron-fsdp 0.5.1: era B" in out
@@ -156,9 +156,9 @@ def test_cli_text_json_and_check(capsys: pytest.CaptureFixture[str], tmp_path: P
     (refused / "param_and_grad_buffer.py").write_text("")
     code, out, _ = run_cli(capsys, "--path", str(tmp_path), "--check")
     assert code == exits.CHECK_UNFIXED and out.startswith(
-        "affected: megatron-core 0.13 custom_fsdp (no version metadata, not recognised) — NOT "
-        "protected: getter-guard, ordered-drain left as shipped (its main_grad getter is a "
-        "class-level property"), out
+        "affected: megatron-core 0.13 custom_fsdp (not recognised) — NOT "
+        "protected (why: below); use fsdp_double_buffer=False\n  why: getter-guard, ordered-drain "
+        "left as shipped (its main_grad getter is a class-level property"), out
     code, out, _ = run_cli(capsys, "--path", str(tmp_path), "--check", "--verbose")
     assert code == exits.CHECK_UNFIXED and "Left unfixed:" in out
 
@@ -186,8 +186,9 @@ def test_a_release_with_a_defect_no_fix_repairs_fails_the_check(
     release = str(releases.unpacked("megatron-fsdp", "0.2.3"))
     code, out, _ = run_cli(capsys, "--path", release, "--check", "--verbose")
     assert code == exits.CHECK_UNFIXED and out.startswith(
-        "affected: megatron-fsdp 0.2.3 (era A) — NOT protected: sharded-grads-summed-unscaled is "
-        "not repaired by the hotfix (it hits ZeRO-2/3"), out
+        "affected: megatron-fsdp 0.2.3 (era A) — NOT protected: 1 defect not repaired; use "
+        "calculate_per_token_loss=True\n  why: sharded-grads-summed-unscaled is not repaired by "
+        "the hotfix (it hits ZeRO-2/3"), out
     assert ("    release defect sharded-grads-summed-unscaled: NOT repaired (no fix repairs it; "
             "_bucket_group_gradient_reduce: the code of megatron-core 0.14)") in out
     assert ("    _bucket_group_gradient_reduce: the code of megatron-core 0.14, recognised by "

@@ -74,8 +74,10 @@ def test_a_v2_job_is_named_by_status_and_unwatched_by_the_audit(tmp_path: Path) 
     assert unreadable == [] and reports[0]["final"]
     verdict, lines = summarise(reports, str(tmp_path / "audit"))
     assert verdict == "UNWATCHED"
-    (line,) = [line for line in lines if line.startswith("megatron_fsdp.experimental")]
-    assert "(era v2, hotfix fixes applied: none)" in line and f"[{v2.AUDIT_NOTE}]" in line
+    (at,) = [at for at, line in enumerate(lines) if line.startswith("megatron_fsdp.experimental")]
+    assert "(era v2), ranks 0: UNWATCHED: " in lines[at], lines
+    assert lines[at + 1:at + 3] == ["  hotfix fixes applied: none", f"  why: {v2.AUDIT_NOTE}"], \
+        lines
     assert "audit, 1 rank: UNWATCHED" in out.stderr  # the job line at exit
 
 

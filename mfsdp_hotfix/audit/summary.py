@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..fix_catalogue import FIXES
 from ..release_defects import SINGLE_RANK_GRADS
 from .job_line import rank_list
 from .verdicts import WRONG, copy_verdict, is_used, one_rank, worst
@@ -40,16 +41,16 @@ def summarise(reports: dict[int, dict[str, Any]], path: str, unwritable: str | N
 
 
 def _no_rank_files(path: str, unwritable: str | None) -> tuple[str, list[str]]:
-    """The verdict and its line where no rank wrote a file: ``unwritable`` says why none could."""
+    """The verdict and its lines where no rank wrote a file: ``unwritable`` says why none
+    could; else what happened, which rank files of a training process would have told."""
     if unwritable:
         return "UNWRITABLE", [f"no rank file {path}.rank<N>.json: {unwritable}"]
-    return "NO DATA", [f"no rank file {path}.rank<N>.json was written: no Megatron-FSDP "
-                       "copy was imported, the hotfix was not loaded in the training "
-                       "processes (run through `mfsdp-hotfix audit` or the installed "
-                       "bootstrap), no finish_grad_sync() ran, the ranks could not write "
-                       "there (each says so in a warning), or the command did not pass "
-                       "MFSDP_HOTFIX_AUDIT on to them (`mfsdp-hotfix selftest` does not: "
-                       "use `mfsdp-hotfix selftest --audit`)"]
+    return "NO DATA", [
+        f"no rank file {path}.rank<N>.json was written",
+        "if a process should have: a launcher that does not pass PYTHONPATH and "
+        "MFSDP_HOTFIX_AUDIT on to its ranks, a job that ended before its first step, or ranks "
+        "that could not write there (each warns on stderr); `mfsdp-hotfix selftest` does not "
+        "pass the audit on to its ranks: use `mfsdp-hotfix selftest --audit`"]
 
 
 def _per_copy(reports: dict[int, dict[str, Any]]
@@ -60,7 +61,7 @@ def _per_copy(reports: dict[int, dict[str, Any]]
     for rank, report in sorted(reports.items()):
         for copy in report.get("copies", []):
             key = (str(copy.get("package")), str(copy.get("version")), str(copy.get("era")),
-                   ", ".join(copy.get("fixes") or []) or "none")
+                   ", ".join(sorted(copy.get("fixes") or [], key=_catalogue_order)) or "none")
             entry = per_copy.setdefault(key, {
                 "ranks": [], "reuses": 0, "unordered": 0, "unseen": 0, "crashed": [], "first": None,
                 "notes": set(), "verdicts": [], "size_one": {}, "used": False, "pools": {}})
@@ -87,20 +88,26 @@ def _per_copy(reports: dict[int, dict[str, Any]]
     return per_copy
 
 
+def _catalogue_order(fix: str) -> tuple[int, str]:
+    """Fixes in the catalogue's order, as ``status`` lists them (an unknown one last)."""
+    order = [known.id for known in FIXES]
+    return (order.index(fix) if fix in order else len(order), fix)
+
+
 def _copy_lines(key: tuple[str, str, str, str], entry: dict[str, Any], verdict: str
                 ) -> list[str]:
     """One copy's line with its ``verdict`` over the ranks, and the details under it."""
     package, version, era, fixes = key
     why = next((w for v, w in entry["verdicts"] if v == verdict and w), None)
-    lines = [f"{package} {version} (era {era}, hotfix fixes applied: {fixes}), ranks "
-             f"{rank_list(entry['ranks'])}: {verdict}: {entry['unordered']} unordered of "
-             f"{entry['reuses']} gradient-slot reuses"
-             + (f" ({entry['unseen']} more not judged: their reduce-scatter was not "
-                "seen)" if entry["unseen"] else "")
-             + (f" [{why}]" if why and verdict in ("UNWATCHED", "NOT CHECKED") else "")]
-    if verdict != "NOT CHECKED":  # its reason in brackets says it already
-        for words, ranks in entry["size_one"].items():
-            lines.append(f"  one-rank gradient buffers, ranks {rank_list(ranks)}: {words}")
+    lines = [f"{package} {version} (era {era}), ranks {rank_list(entry['ranks'])}: {verdict}: "
+             f"{entry['unordered']} unordered of {entry['reuses']} gradient-slot reuses",
+             f"  hotfix fixes applied: {fixes}"]
+    if entry["unseen"]:
+        lines.append(f"  {entry['unseen']} more not judged: their reduce-scatter was not seen")
+    if why and verdict in ("UNWATCHED", "NOT CHECKED"):
+        lines.append(f"  why: {why.split('; ', 1)[0] if entry['size_one'] else why}")
+    for words, ranks in entry["size_one"].items():
+        lines.append(f"  one-rank gradient buffers, ranks {rank_list(ranks)}: {words}")
     if verdict == WRONG:
         lines.append("  workarounds without the hotfix: "
                      + "; or ".join(SINGLE_RANK_GRADS.workarounds))

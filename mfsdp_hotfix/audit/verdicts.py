@@ -55,10 +55,32 @@ VERDICTS: dict[str, tuple[str, str, int]] = {
     "UNWRITABLE": ("no rank file could be written where the audit was told to write them, "
                    "so nothing the ranks counted is here",
                    "give --out (or MFSDP_HOTFIX_AUDIT) a path every rank can write", 4),
-    "NO DATA": ("no rank wrote a file: the hotfix was not loaded in the training processes, "
-                "no Megatron-FSDP copy was imported, no finish_grad_sync() ran, or the ranks "
-                "could not write there (each rank's warning says so)",
-                "run through `mfsdp-hotfix audit` or the installed bootstrap", 4),
+    "NO DATA": ("no rank wrote a file: no process of the command imported Megatron-FSDP "
+                "(megatron_fsdp, or megatron.core.distributed.fsdp) and ran finish_grad_sync() "
+                "with the audit on, or the ranks could not write there (each rank's warning "
+                "says so)",
+                "check that the command trains with Megatron-FSDP itself and passes its "
+                "environment (PYTHONPATH, MFSDP_HOTFIX_AUDIT) on to every rank", 4),
+}
+# Each verdict in the fewest words, and the one thing to do: the first line of the summary
+# (:mod:`..verdict_text`'s rule); :data:`VERDICTS` has the whole of both, on the lines below.
+GLANCE: dict[str, tuple[str, str]] = {
+    "UNORDERED": ("a gradient slot was reused before its reduce-scatter was done",
+                  "load the hotfix, or use fsdp_double_buffer=False"),
+    "CRASH": ("the release's double buffer crashed",
+              "load the hotfix, or use fsdp_double_buffer=False"),
+    "WRONG GRADIENTS": ("one-rank gradient buffers are reduced every microbatch",
+                        "load the hotfix (single-rank-reduce)"),
+    "UNWATCHED": ("a copy or gradient pool the audit cannot watch: not checked",
+                  "read the note below"),
+    "INCOMPLETE": ("not every rank or reuse was checked", "see below; rerun with a path every "
+                                                            "rank can write"),
+    "NOT CHECKED": ("no gradient-slot reuse was seen: nothing checked", "see why below"),
+    "ordered": ("every gradient-slot reuse was ordered", "nothing to do"),
+    "UNWRITABLE": ("no rank file could be written",
+                   "give --out a path every rank can write"),
+    "NO DATA": ("no process of the command trained with Megatron-FSDP",
+                "check the command (below)"),
 }
 _ORDER = list(VERDICTS)
 

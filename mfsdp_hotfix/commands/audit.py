@@ -11,6 +11,7 @@ import sys
 
 from .. import settings
 from ..selftest import processes
+from ..verdict_text import block, first_line
 from .exits import CANNOT_START, USAGE_ERROR
 from .run import add_command_argument, command_after_dashes, pythonpath_with_bootstrap
 
@@ -96,22 +97,26 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _summary(path: str, deleted: int, status: int) -> int:
-    """The rank files the command's ranks wrote, their summary and the verdict line (the
-    command's exit ``status`` in it); returns the audit's exit status."""
+    """The verdict on the rank files the command's ranks wrote, first (the command's exit
+    ``status`` in it), then what it means and the summary of the files, indented; returns the
+    audit's exit status."""
     from ..audit.rank_files import probe, read_rank_files
     from ..audit.summary import summarise
-    from ..audit.verdicts import VERDICTS, exit_status
+    from ..audit.verdicts import GLANCE, VERDICTS, exit_status
 
     reports, unreadable = read_rank_files(path)
     verdict, lines = summarise(reports, path, None if reports or unreadable else probe(path))
-    print(f"mfsdp-hotfix audit: {len(reports)} rank file(s) {path}.rank<N>.json"
-          + (f" ({deleted} from an earlier run deleted first: --overwrite)" if deleted
-             else ""))
-    for line in lines + [f"unreadable: {name}" for name in unreadable]:
-        print(f"  {line}")
     meaning, todo, _ = VERDICTS[verdict]
-    print(f"audit: {verdict}: {meaning}" + ("" if verdict == "ordered" else f"; {todo}")
-          + f" (command exit status {status})")
+    state, first_todo = GLANCE[verdict]
+    details = [meaning] + ([] if verdict == "ordered" else [f"to do: {todo}"])
+    if reports or deleted:
+        details.append(f"{len(reports)} rank file(s) {path}.rank<N>.json"
+                       + (f" ({deleted} from an earlier run deleted first: --overwrite)"
+                          if deleted else ""))
+    details += lines + [f"unreadable: {name}" for name in unreadable]
+    told = f"(command exit status {status})"
+    first = first_line(f"audit: {verdict}: {state}", f"{first_todo} {told}")
+    print(block(first, details if first.endswith(told) else [told[1:-1], *details]))
     return exit_status(verdict, status)
 
 

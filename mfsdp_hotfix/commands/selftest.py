@@ -5,14 +5,17 @@ verdict line, the JSON and the exit status."""
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import json
 import os
 import sys
+from typing import Any
 
 from .. import settings, tree
 from ..selftest.gpu_spec import LAYERS as GPU_LAYERS
 from ..selftest.protocol import DEFAULT as DEFAULT_PROTOCOL
 from ..selftest.protocol import PROTOCOLS
+from ..verdict_text import block, first_line
 from .exits import SELFTEST_CANNOT_RUN, SELFTEST_FAIL, SELFTEST_PASS
 
 NAME = "selftest"
@@ -81,12 +84,13 @@ def _add_gpu_options(test: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _note_audit_not_passed_on(args.json)
+    mode = "gpu" if args.gpu else "cpu"
     if args.path is not None:  # a mistyped --path must not test the installed copy instead
         try:
             tree.readable_folder(args.path)
         except tree.TreeError as exc:
-            return _selftest_cannot_run(f"--path {exc}. Nothing was tested", args.json,
-                                        "gpu" if args.gpu else "cpu")
+            return _selftest_cannot_run(f"--path {exc}", args.json, mode, "",
+                                        [f"--path {exc}", "nothing was tested"])
     if args.gpu:
         return _gpu_selftest(args)
     given = [f"--{name.replace('_', '-')}" for name in GPU_ONLY
@@ -115,49 +119,111 @@ def _cpu_selftest(path: str | None, flavour: str, as_json: bool, audit: bool,
         import torch  # noqa: F401
     except ImportError:
         return _selftest_cannot_run(
-            "no torch in this environment. The selftest runs on this environment's own torch "
-            "and Megatron-FSDP and installs nothing; to try it on a machine without them, use a "
-            "fresh virtual environment (README, 'Try it').", as_json, "cpu")
+            "no torch in this environment", as_json, "cpu",
+            "use a fresh virtual environment (README, 'Try it')",
+            ["the selftest runs on this environment's own torch and Megatron-FSDP and installs "
+             "nothing; to try it on a machine without them, use a fresh virtual environment"])
     try:
         import numpy  # noqa: F401
     except ImportError:
         return _selftest_cannot_run(
-            "no numpy in this environment. torch.distributed's all_gather_object, which "
-            "Megatron-FSDP calls, needs it on CPU (gloo); `pip install numpy`, or use a fresh "
-            "virtual environment (README, 'Try it').", as_json, "cpu")
+            "no numpy in this environment", as_json, "cpu", "`pip install numpy`",
+            ["torch.distributed's all_gather_object, which Megatron-FSDP calls, needs it on "
+             "CPU (gloo); or use a fresh virtual environment (README, 'Try it')"])
+    missing = _missing_copy(path, flavour)
+    if missing is not None:  # known before any worker starts, as status knows it
+        return _selftest_cannot_run(missing[0], as_json, "cpu", *missing[1:])
     from ..selftest.selftest import audit_phase, cannot_run, conclusion, run_selftest
 
     # With --json, stdout carries only the JSON; progress and the table go to stderr.
     runs = run_selftest(path=path, flavour=flavour, out=sys.stderr if as_json else sys.stdout,
                         audit=audit, protocol=protocol)
     blocked = cannot_run(runs)
-    if blocked:  # said already, as the last line
+    if blocked:  # said already, as the verdict
         if as_json:
-            _cannot_run_json(blocked, "cpu", blocked.split(": ", 2)[2])
+            _cannot_run_json(blocked, "cpu", blocked.splitlines()[0].split(": ", 2)[2])
         return SELFTEST_CANNOT_RUN
-    passed, line = conclusion(runs)
+    passed, told = conclusion(runs)
     if as_json:
         results = ({"phases": [audit_phase(name, result) for name, result in runs]} if audit
                    else {name: result.to_dict() for name, result in runs})
-        print(json.dumps({"verdict": "PASS" if passed else "FAIL", "conclusion": line,
+        print(json.dumps({"verdict": "PASS" if passed else "FAIL", **_verdict_fields(told),
                           **results}, default=str))
     return SELFTEST_PASS if passed else SELFTEST_FAIL
 
 
-def _selftest_cannot_run(why: str, as_json: bool, mode: str) -> int:
-    """``selftest: CANNOT RUN: <why>`` on stderr (and with ``--json`` as the JSON's verdict)."""
-    line = f"selftest: {CANNOT_RUN}: {why}"
+def _selftest_cannot_run(why: str, as_json: bool, mode: str, todo: str = "",
+                         details: list[str] | None = None) -> int:
+    """``selftest: CANNOT RUN: <why>; <todo>`` and its details on stderr (and with ``--json``
+    as the JSON's verdict)."""
+    first = first_line(f"selftest: {CANNOT_RUN}: {why}", todo)
+    told = block(first, [detail for detail in details or [] if detail not in first])
     if as_json:
-        _cannot_run_json(line, mode, why)
-    print(line, file=sys.stderr)
+        _cannot_run_json(told, mode, why)
+    print(told, file=sys.stderr)
     return SELFTEST_CANNOT_RUN
 
 
-def _cannot_run_json(line: str, mode: str, why: str) -> None:
-    """The JSON of a selftest that cannot run here: its verdict, the line that says so, and
+def _cannot_run_json(told: str, mode: str, why: str) -> None:
+    """The JSON of a selftest that cannot run here: its verdict, the lines that say so, and
     why."""
-    print(json.dumps({"verdict": CANNOT_RUN, "conclusion": line, "mode": mode,
+    print(json.dumps({"verdict": CANNOT_RUN, **_verdict_fields(told), "mode": mode,
                       "cannot_run": why}))
+
+
+def _verdict_fields(told: str) -> dict[str, Any]:
+    """The verdict as printed, for the JSON: its first line, and the details below it."""
+    first, *details = told.splitlines()
+    return {"conclusion": first, "details": [line.strip() for line in details]}
+
+
+# The top-level package each copy is imported from, and where megatron-core keeps its copy.
+_STANDALONE, _CORE = "megatron_fsdp", "megatron"
+_CORE_COPY = "core/distributed/fsdp/src/megatron_fsdp"
+
+
+def _missing_copy(path: str | None, flavour: str) -> tuple[str, str, list[str]] | None:
+    """Why the copy ``flavour`` asks for is not there, read from the import path without
+    importing anything (``--path DIR``: in DIR only, which the selftest tests): the reason,
+    the thing to do and the details for :func:`_selftest_cannot_run`; None when it is there."""
+    core = _find(_CORE, path)
+    has_core = core is not None and any(
+        os.path.isfile(os.path.join(location, _CORE_COPY, "__init__.py"))
+        for location in core.submodule_search_locations or [])
+    has_standalone = _find(_STANDALONE, path) is not None
+    where = f"in --path {path}" if path is not None else "installed here"
+    instead = ("give --path a folder that holds it (e.g. an unpacked release)" if path is not None
+               else "give --path a folder that holds it")
+    nothing = ["nothing was started or tested"] + (
+        [f"--path DIR tests the copy in DIR alone; {path} holds none"] if path is not None else [])
+    if flavour == "core" and not has_core:
+        if core is None:
+            return f"megatron-core is not {where}", f"install megatron-core, or {instead}", nothing
+        return (f"the megatron-core {where} has no Megatron-FSDP copy (megatron.core."
+                "distributed.fsdp)", "install megatron-core 0.14 or later", nothing)
+    if flavour == "standalone" and not has_standalone:
+        return f"megatron-fsdp is not {where}", f"install megatron-fsdp, or {instead}", nothing
+    if flavour == "auto" and not (has_core or has_standalone):
+        return (f"no Megatron-FSDP copy {where}", instead if path is not None else
+                f"install megatron-fsdp or megatron-core, or {instead}",
+                ["neither megatron_fsdp nor megatron.core.distributed.fsdp is there", *nothing])
+    return None
+
+
+def _find(name: str, path: str | None) -> Any:
+    """The spec of the top-level package ``name`` (None: not there), in ``path`` alone or
+    where ``import`` looks, without the hotfix's own finder (a look-up would install it in
+    this process)."""
+    if path is not None:
+        return importlib.machinery.PathFinder.find_spec(name, [path])
+    for finder in sys.meta_path:
+        if type(finder).__module__.startswith("mfsdp_hotfix") or not hasattr(finder,
+                                                                             "find_spec"):
+            continue
+        found = finder.find_spec(name, None)
+        if found is not None:
+            return found
+    return None
 
 
 def _gpu_selftest(args: argparse.Namespace) -> int:
@@ -165,12 +231,13 @@ def _gpu_selftest(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json else sys.stdout
 
     def cannot_run(why: str) -> int:
-        line = (f"selftest: {CANNOT_RUN}: the GPU selftest cannot run here: {why}. It needs this "
-                "environment's torch with CUDA and at least one visible GPU; without a GPU, "
-                "run `mfsdp-hotfix selftest` (CPU)")
+        told = block(first_line(f"selftest: {CANNOT_RUN}: {why}",
+                                "without a GPU, run `mfsdp-hotfix selftest` (CPU)"),
+                     [f"the GPU selftest cannot run here: {why}", "it needs this environment's "
+                      "torch with CUDA and at least one visible GPU; nothing was tested"])
         if args.json:
-            _cannot_run_json(line, "gpu", why)
-        print(line, file=out)
+            _cannot_run_json(told, "gpu", why)
+        print(told, file=out)
         return SELFTEST_CANNOT_RUN
 
     try:
@@ -187,6 +254,9 @@ def _gpu_selftest(args: argparse.Namespace) -> int:
                               protocol=args.protocol)
     except gpu.CannotRun as exc:
         return cannot_run(str(exc))
+    missing = _missing_copy(args.path, args.flavour)
+    if missing is not None:  # known before any worker starts, as status knows it
+        return _selftest_cannot_run(missing[0], args.json, "gpu", *missing[1:])
     results = gpu.run_gpu_selftest(plan, path=args.path, out=out, progress=sys.stderr)
     data = gpu.to_json(plan, results)
     if args.json:

@@ -14,6 +14,7 @@ from typing import Any
 
 from .. import bootstrap, registry, reporting, settings, tree, variables
 from ..states import FixState
+from ..verdict_text import block
 from .exits import CHECK_OK, CHECK_UNFIXED
 from .output import emit
 
@@ -118,7 +119,7 @@ def _folder_status(path: str, as_json: bool, check: bool, verbose: bool) -> int:
     if as_json:
         emit(_json(data))
         return _check_status(data) if check else CHECK_OK
-    lines = [data["verdict"]["line"]]
+    lines = _verdict_lines(data["verdict"])
     lines += _copies_lines(data, verbose)
     lines.append(f"mfsdp-hotfix {data['mfsdp_hotfix']}, for {data['scope']}"
                  + (" (labels from the dist-info beside each copy only)" if verbose else ""))
@@ -146,14 +147,14 @@ def _warn(problems: list[str]) -> None:
     (a misspelt name, told at interpreter start)."""
     for problem in problems:
         if not variables.told(problem):
-            print(f"mfsdp-hotfix status: warning: {problem}", file=sys.stderr)
+            print(f"{variables.WARNING}{problem}", file=sys.stderr)
 
 
 def _format(data: dict[str, Any], verbose: bool) -> str:
     boot = data["bootstrap"]
     how = {"pth": "at interpreter start by " + ", ".join(boot["pth_files"]),
            "sitecustomize": "at interpreter start by the sitecustomize on PYTHONPATH"}
-    lines = [data["verdict"]["line"]]
+    lines = _verdict_lines(data["verdict"])
     lines += _copies_lines(data, verbose)
     for fix, why in data["failures"].items():
         lines.append(f"  FAILED {fix}: {why}")
@@ -166,6 +167,11 @@ def _format(data: dict[str, Any], verbose: bool) -> str:
         lines.append(f"  {settings.DISABLED_FIXES}: {disabled}")
     lines += _tail(data, verbose)
     return "\n".join(lines)
+
+
+def _verdict_lines(verdict: dict[str, Any]) -> list[str]:
+    """The answer: its first line, then its details indented (:mod:`..verdict_text`)."""
+    return block(verdict["line"], verdict["details"]).splitlines()
 
 
 def _copies_lines(data: dict[str, Any], verbose: bool) -> list[str]:

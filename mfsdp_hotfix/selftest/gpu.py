@@ -35,6 +35,7 @@ from mfsdp_hotfix.selftest.gpu_spec import LAYER_LABELS, GpuRun, GpuRunResult, m
 from mfsdp_hotfix.selftest.gpu_worker import audit_prefix, report_file
 from mfsdp_hotfix.selftest.runner import worker_env
 from mfsdp_hotfix.selftest.spec import CaseSpec
+from mfsdp_hotfix.verdict_text import block, first_line
 
 WORKER = "mfsdp_hotfix.selftest.gpu_worker"
 SERIALIZED = ("shipped serialized", "hotfix serialized")
@@ -369,19 +370,27 @@ def conclusion(plan: GpuPlan, results: dict[str, GpuRunResult]) -> tuple[bool, s
         assert hotfix is not None
         delay = (f", {hotfix.rs_delayed} reduce-scatters delayed {hotfix.run.delay_ms:g} ms"
                  if hotfix.run.delay_ms else ", no reduce-scatter delay")
-        detail = (f"on {where}, {what} with {layer_words(plan, results)}{delay}: with the hotfix "
-                  "the gradients are bit-identical to the serialized run and the audit found 0 "
-                  f"unordered of {hotfix.audit_reuses} gradient-slot reuses")
+        state = "with the hotfix, bit-identical to the serialized run"
+        details = [f"{what} with {layer_words(plan, results)}{delay}: with the hotfix the "
+                   "gradients are bit-identical to the serialized run and the audit found 0 "
+                   f"unordered of {hotfix.audit_reuses} gradient-slot reuses"]
     else:
-        detail = f"on {where}, {what} with {layer_words(plan, results)}: {problem}"
+        state = (problem or "").split(": ", 1)[0]
+        details = [f"{what} with {layer_words(plan, results)}: {problem}"]
     if shipped is not None:
-        detail += f"; {shipped_meaning(shipped)}"
-    return passed, f"selftest: {'PASS' if passed else 'FAIL'}: {detail}"
+        details.append(shipped_meaning(shipped))
+    word = "PASS" if passed else "FAIL"
+    first = first_line(f"selftest: {word}: on {where}, {what}: {state}"
+                       + (f"; as shipped: {shipped.outcome()}" if shipped is not None else ""),
+                       "" if passed else "details below")
+    return passed, block(first, details)
 
 
 def to_json(plan: GpuPlan, results: dict[str, GpuRunResult]) -> dict[str, Any]:
-    passed, line = conclusion(plan, results)
-    return {"verdict": "PASS" if passed else "FAIL", "conclusion": line, "mode": "gpu",
+    passed, told = conclusion(plan, results)
+    first, *details = told.splitlines()
+    return {"verdict": "PASS" if passed else "FAIL", "conclusion": first,
+            "details": [line.strip() for line in details], "mode": "gpu",
             "gpus": plan.gpus, "fake_group": plan.fake, "layer": plan.layer,
             "runs": [results[name].to_dict() for name in SERIALIZED + ASYNCHRONOUS
                      if name in results]}

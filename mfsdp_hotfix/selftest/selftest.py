@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
+from mfsdp_hotfix.verdict_text import block, first_line
 
 # Float32 sums in a different order (bucketed reduce-scatter vs one reference backward): a
 # correct run differs from the reference by rounding only; a broken buffer differs by O(1).
@@ -54,43 +55,50 @@ ONE_RANK = ", one rank"  # the names of the one-rank runs end so
 
 
 def conclusion(runs: list[tuple[str, CaseResult]]) -> tuple[bool, str]:
-    """The selftest's one verdict: PASS when every run with the hotfix is ``ok`` (two ranks,
-    and one rank where it ran).
-
-    The last line of the output, ``selftest: PASS: ...`` or ``selftest: FAIL: ...``, is made
-    for scripts (grep it, or use the exit status, 0 for PASS).
-    """
+    """The selftest's verdict: PASS when every run with the hotfix is ``ok`` (two ranks, and one
+    rank where it ran). Its first line, ``selftest: PASS: ...`` or ``selftest: FAIL: ...``, is
+    the state in one glance (:mod:`..verdict_text`); what each run showed is indented below."""
     outcome = dict(runs)
     after, before = outcome[WITH], outcome.get(WITHOUT)
     alone, alone_before = outcome.get(WITH + ONE_RANK), outcome.get(WITHOUT + ONE_RANK)
     failed = [(where, result) for where, result in (("", after), (" at one rank", alone))
               if result is not None and verdict(result) != "ok"]
-    passed = not failed
     disagree = [name for name, result in runs if result.spec.audit and not audit_agrees(result)]
+    passed = not failed and not disagree
     release = after.release or (before.release if before else {}) or {}
     what = (f"{release.get('dist')} {release.get('version')}" if release.get("dist")
             else "Megatron-FSDP")
-    if passed:
-        detail = (f"with the hotfix, {what} ran without a crash, gradients equal plain "
-                  f"PyTorch, 0 unordered of {after.ordering_checks or 0} gradient-slot reuses")
-        if alone is not None:
-            detail += ", and at one rank gradients equal plain PyTorch too"
+    shipped = ""
+    if before is not None:
+        shipped = f"without it: {verdict(before)}" + (f", at one rank {verdict(alone_before)}"
+                                                       if alone_before is not None else "")
+    details = []
+    if not failed:
+        state = f"with the hotfix, {what} gradients equal plain PyTorch"
+        details.append(f"with the hotfix: no crash, gradients equal plain PyTorch, 0 unordered "
+                       f"of {after.ordering_checks or 0} gradient-slot reuses"
+                       + (", and at one rank gradients equal plain PyTorch too"
+                          if alone is not None else ""))
     else:
         where, result = failed[0]
-        detail = f"with the hotfix, {what}{where}: {verdict(result)}: {_MEANING[verdict(result)]}"
+        state = f"with the hotfix, {what}{where}: {verdict(result)}"
+        details.append(f"{verdict(result)}: {_MEANING[verdict(result)]}")
         if result.exception:
-            detail += f" ({result.exception.splitlines()[0][:200]})"
-    if before is not None:
-        detail += f"; without it: {verdict(before)}"
-        if alone_before is not None:
-            detail += f", at one rank {verdict(alone_before)}"
+            details.append(f"the run raised: {result.exception.splitlines()[0][:200]}")
+    if shipped:
+        details.append(shipped)
     if disagree:
-        passed = False
-        detail += (f"; the audit does not match the stand-in's counts in: {', '.join(disagree)} "
-                   "(see the audit lines above)")
+        details.append(f"the audit does not match the stand-in's counts in: "
+                       f"{', '.join(disagree)} (see the audit lines above)")
     elif any(result.spec.audit for _, result in runs):
-        detail += "; the audit's counts equal the stand-in's"
-    return passed, f"selftest: {'PASS' if passed else 'FAIL'}: {detail}"
+        details.append("the audit's counts equal the stand-in's")
+    word = "PASS" if passed else "FAIL"
+    todo = ("" if passed else "the audit disagrees: please report this" if not failed
+            else "please report this, with the table above")
+    head = f"selftest: {word}: {state}"
+    shorter = (f"{head}; without it: {verdict(before)}",) if before is not None and passed else ()
+    return passed, block(first_line(f"{head}; {shipped}" if shipped and passed else head, todo,
+                                    (*shorter, head)), details)
 
 
 def cannot_run(runs: list[tuple[str, CaseResult]]) -> str | None:
@@ -114,10 +122,11 @@ def cannot_run(runs: list[tuple[str, CaseResult]]) -> str | None:
     elif module:
         why, todo = f"it needs {module}, which is not installed here", f"install {module}"
     else:
-        why, todo = "none is importable here", "install megatron-fsdp or megatron-core"
-    return (f"selftest: CANNOT RUN: {_COPIES[spec.flavour]} cannot be imported: {why} "
-            f"({missing['error']}); {todo}, or give --path a folder that holds it. Nothing was "
-            "tested")
+        why, todo = "no copy is importable here", "install megatron-fsdp or megatron-core"
+    return block(first_line(f"selftest: CANNOT RUN: {why}", f"{todo}, or give --path a folder "
+                            "that holds it"),
+                 [f"{_COPIES[spec.flavour]} cannot be imported: {why} ({missing['error']})",
+                  "nothing was tested"])
 
 
 def audit_phase(name: str, result: CaseResult) -> dict[str, Any]:
@@ -208,11 +217,15 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
     runs: list[tuple[str, CaseResult]] = []
     plan = [(name + suffix, mode, world) for suffix, world in (("", base.world), (ONE_RANK, 1))
             for name, mode in ((WITHOUT, "off"), (WITH, "on"))]
+    if progress:
+        stream.write(f"selftest: {len(plan)} runs on CPU, without and with the hotfix, at "
+                     f"{base.world} ranks and at one\n"
+                     f"  the case: {base.label(hotfix_state=False)}\n")
     for name, mode, world in plan:
         case = CaseSpec(**{**base.__dict__, "hotfix": mode, "world": world})
         tick = _ticker(stream, name) if progress else None
         if progress:
-            stream.write(f"selftest: running {name}: {case.label()} ...\n")
+            stream.write(f"selftest: running {name} ...\n")
             stream.flush()
         result = runner(case, tick)
         runs.append((name, result))

@@ -97,14 +97,16 @@ class CaseSpec:
     def from_json(cls, text: str) -> CaseSpec:
         return cls(**json.loads(text))
 
-    def label(self) -> str:
-        """Plain words for progress lines and failed assertions."""
+    def label(self, hotfix_state: bool = True) -> str:
+        """Plain words for progress lines and failed assertions (``hotfix_state``: with the
+        hotfix's state, which the selftest's runs differ in)."""
         copy = {"auto": "the Megatron-FSDP copy importable here",
                 "standalone": "megatron-fsdp", "core": "megatron-core's vendored copy"}
         hotfix = {"on": "hotfix on", "off": "hotfix off (MFSDP_HOTFIX=0)",
                   "late": "hotfix loaded after the model was built"}
-        bits = [copy.get(self.flavour, self.flavour)
-                + (f" from {self.path}" if self.path else ""), hotfix.get(self.hotfix, self.hotfix)]
+        bits = [copy.get(self.flavour, self.flavour) + (f" from {self.path}" if self.path else "")]
+        if hotfix_state:
+            bits.append(hotfix.get(self.hotfix, self.hotfix))
         if self.disabled_fixes:
             bits.append(f"fixes disabled: {self.disabled_fixes}")
         bits.append(f"ZeRO-{ZERO_STAGE.get(self.strategy, self.strategy)}")
@@ -122,8 +124,8 @@ class CaseSpec:
         if self.wide_units:
             bits.append(f"{self.wide_units} wide unit(s)")
         if self.world != 2 or self.outer != 1:
-            bits.append(f"{self.world} ranks" + (f", HSDP outer {self.outer}"
-                                                   if self.outer != 1 else ""))
+            bits.append(f"{self.world} rank{'' if self.world == 1 else 's'}"
+                        + (f", HSDP outer {self.outer}" if self.outer != 1 else ""))
         if self.grad_comm_dtype:
             bits.append(f"gradients reduced in {self.grad_comm_dtype}")
         if self.experts:

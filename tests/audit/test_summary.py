@@ -20,16 +20,17 @@ def test_summary_of_rank_files() -> None:
     verdict, lines = summarise({0: rank_record(0, unordered=3, first_unordered=first),
                                 1: rank_record(1)}, "/p/audit")
     assert verdict == "UNORDERED"
-    assert lines[0].startswith("megatron_fsdp 0.5.1 (era B, hotfix fixes applied: none), ranks "
-                               "0,1: UNORDERED: 3 unordered of 36 gradient-slot reuses")
-    assert "first unordered reuse (rank 0)" in lines[1] and '"new_bucket": 2' in lines[1]
+    assert lines[:2] == ["megatron_fsdp 0.5.1 (era B), ranks 0,1: UNORDERED: 3 unordered of 36 "
+                         "gradient-slot reuses", "  hotfix fixes applied: none"], lines
+    assert "first unordered reuse (rank 0)" in lines[2] and '"new_bucket": 2' in lines[2]
     assert summarise({0: rank_record(0), 1: rank_record(1)}, "p")[0] == "ordered"
     assert summarise({0: rank_record(0, crashed=True, crash={"bucket": 2})}, "p")[0] == "CRASH"
     verdict, lines = summarise({0: rank_record(0, world=4)}, "p")
     assert verdict == "INCOMPLETE" and "no rank file from ranks 1,2,3 of 4" in lines
     assert summarise({}, "p")[0] == "NO DATA"
     verdict, lines = summarise({0: rank_record(0, world=1, unseen=4)}, "p")
-    assert verdict == "INCOMPLETE" and "(4 more not judged" in lines[0]
+    assert verdict == "INCOMPLETE" and "  4 more not judged: their reduce-scatter was not " \
+        "seen" in lines, lines
 
 
 def test_a_copy_that_built_no_pool_does_not_hide_another_copys_result() -> None:

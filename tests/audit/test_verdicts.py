@@ -39,7 +39,7 @@ def test_copy_verdicts(fields: dict[str, Any], verdict: str, why: str | None) ->
     job, _ = job_line({0: totals(rank_record(0, world=1, **fields))}, 1, "p", 1.0)
     assert job == verdict
     if verdict in ("UNWATCHED", "NOT CHECKED"):
-        assert lines[0].endswith(f"[{why}]"), lines
+        assert lines[:3] == [lines[0], "  hotfix fixes applied: none", f"  why: {why}"], lines
 
 
 @pytest.mark.parametrize(("verdict", "command", "status"), [
@@ -111,15 +111,19 @@ def test_a_one_rank_gradient_buffer_says_whether_the_size_one_defect_is_repaired
     got, why = copy_verdict(copy)
     assert got == verdict and words in (why or ""), why
     summary, lines = summarise({0: {**rank_record(0, world=1), "copies": [copy]}}, "p")
-    assert summary == verdict and lines[0].startswith("megatron_fsdp 0.6.1 (era C, hotfix fixes "
-                                                      "applied: "), lines
-    text = "\n".join(lines)
-    assert words in " ".join(text.split()), lines
-    if verdict == "NOT CHECKED":  # said in the copy's line, in brackets
-        assert lines[0].endswith("]") and words in lines[0], lines
+    assert summary == verdict and lines[0].startswith("megatron_fsdp 0.6.1 (era C), ranks 0: "
+                                                      f"{verdict}: "), lines
+    assert lines[1].startswith("  hotfix fixes applied: "), lines
+    text = " ".join("\n".join(lines).split())
+    # where nothing was checked, why on one line and the one-rank buffers on the next
+    assert all(part in text for part in (words.split("; ", 1) if verdict == "NOT CHECKED"
+                                         else [words])), lines
+    if verdict == "NOT CHECKED":  # why nothing was checked, then the one-rank buffers
+        assert lines[2].startswith("  why: ") and words.split("; ")[-1] in lines[3], lines
+        assert lines[3].startswith("  one-rank gradient buffers, ranks 0: "), lines
     else:
-        assert lines[1].startswith("  one-rank gradient buffers, ranks 0: "), lines
-        assert lines[2] == ("  workarounds without the hotfix: one microbatch per step, on "
+        assert lines[2].startswith("  one-rank gradient buffers, ranks 0: "), lines
+        assert lines[3] == ("  workarounds without the hotfix: one microbatch per step, on "
                             "megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later; or "
                             "fused wgrad accumulation off (gradient_accumulation_fusion=False), "
                             "on megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later, "
@@ -139,7 +143,8 @@ def test_without_the_double_buffer_a_one_rank_copy_still_counts() -> None:
     assert verdict == "WRONG GRADIENTS", lines
     repaired = {**_one_rank(("single-rank-reduce",)), "grad_pools": {}}
     verdict, lines = summarise({0: {**rank_record(0, world=1), "copies": [repaired]}}, "p")
-    assert verdict == "NOT CHECKED" and "repaired by single-rank-reduce]" in lines[0], lines
+    assert verdict == "NOT CHECKED" and lines[3].endswith("repaired by single-rank-reduce"), \
+        lines
 
 
 @pytest.mark.parametrize("copy", [
@@ -148,8 +153,8 @@ def test_without_the_double_buffer_a_one_rank_copy_still_counts() -> None:
 def test_where_the_size_one_defect_does_not_apply_nothing_changes(copy: dict[str, Any]) -> None:
     assert one_rank(copy) is None
     verdict, lines = summarise({0: {**rank_record(0, world=1), "copies": [copy]}}, "p")
-    assert verdict == "NOT CHECKED" and lines[0].endswith(
-        "[gradient pool(s) fsdp_grads (FixedPoolAllocator) built, no slot reused]"), lines
+    assert verdict == "NOT CHECKED" and lines[2] == (
+        "  why: gradient pool(s) fsdp_grads (FixedPoolAllocator) built, no slot reused"), lines
     assert "one rank" not in " ".join(lines)
     assert "one rank" not in job_line({0: totals(rank_record(0, world=1))}, 1, "p", 1)[1]
 

@@ -351,9 +351,11 @@ def test_without_the_fix_it_is_wrong_and_status_says_so(version: str) -> None:
     assert not result.crashed and (result.max_abs_grad_error or 0) > 0.01, describe(result)
     verdict = (result.hotfix_status or {})["verdict"]
     assert verdict["protected"] is False, verdict
-    assert (f"{FIX.id} disabled; for core-linear-fused-wgrad-overwrite use fused wgrad "
-            "accumulation off (gradient_accumulation_fusion=False, Megatron-LM's "
-            "--no-gradient-accumulation-fusion)") in verdict["line"], verdict
+    assert f"NOT protected: {FIX.id} disabled; use fused wgrad accumulation off" in \
+        verdict["line"], verdict
+    assert ("instead: for core-linear-fused-wgrad-overwrite use fused wgrad accumulation off "
+            "(gradient_accumulation_fusion=False, Megatron-LM's --no-gradient-accumulation-fusion)"
+            ) in verdict["details"], verdict
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from typing import Any
 
 import configurations
 import pytest
-from conftest import REPO, launch_ranks, run_python
+from conftest import REPO, launch_ranks, run_python, verdict_line
 from realcases import describe, release_path, run_cached
 
 from mfsdp_hotfix.selftest import run_selftest
@@ -97,9 +97,10 @@ def test_audit_command_summarises_a_torchrun_job(tmp_path: Path) -> None:
     text = out.stdout + out.stderr
     assert out.returncode == 3, text[-4000:]  # the job exited 0; the verdict sets the status
     assert "mfsdp_hotfix audit, 2 ranks: UNORDERED" in text, text[-4000:]  # rank 0's job line
-    summary = out.stdout.splitlines()
-    assert summary[-1].startswith("audit: UNORDERED: a gradient-buffer slot was reused"), text
-    assert "megatron_fsdp 0.5.1 (era B, hotfix fixes applied: none), ranks 0,1:" in out.stdout
+    assert verdict_line(out.stdout).startswith("audit: UNORDERED: a gradient slot was reused"), text
+    assert "\n  a gradient-buffer slot was reused by a stream not ordered" in out.stdout, text
+    assert "\n  megatron_fsdp 0.5.1 (era B), ranks 0,1:" in out.stdout, text
+    assert "\n    hotfix fixes applied: none\n" in out.stdout, text
     files: dict[str, Any] = {p.name: json.loads(p.read_text())
                              for p in (tmp_path / "job").glob("audit.rank*.json")}
     assert sorted(files) == ["audit.rank0.json", "audit.rank1.json"]
@@ -131,9 +132,9 @@ HSDP = ("5 dense ZeRO-2/3 gradient buffer(s) whose data-parallel group has one r
 @pytest.mark.parametrize(("hotfix", "outer", "status", "words"), [
     ("0", 1, 3, f"{SIZE_ONE} is not repaired, because single-rank-reduce is not applied to this "
                 "copy"),
-    ("1", 1, 4, f"{SIZE_ONE} applies to this job and is repaired by single-rank-reduce]"),
+    ("1", 1, 4, f"{SIZE_ONE} applies to this job and is repaired by single-rank-reduce\n"),
     ("0", 2, 3, f"{HSDP} is not repaired, because single-rank-reduce is not applied"),
-    ("1", 2, 4, f"{HSDP} applies to this job and is repaired by single-rank-reduce]")],
+    ("1", 2, 4, f"{HSDP} applies to this job and is repaired by single-rank-reduce\n")],
     ids=["shipped", "hotfix", "hsdp-shipped", "hsdp-hotfix"])
 def test_one_rank_says_whether_the_size_one_group_defect_is_repaired(
         tmp_path: Path, hotfix: str, outer: int, status: int, words: str) -> None:
@@ -151,7 +152,7 @@ def test_one_rank_says_whether_the_size_one_group_defect_is_repaired(
     ranks = f"{outer} rank{'s' if outer > 1 else ''}"
     assert f"mfsdp_hotfix audit, {ranks}: {verdict}: 0 unordered of 0" in text, text[-4000:]
     assert words in out.stdout, out.stdout
-    assert out.stdout.splitlines()[-1].startswith(f"audit: {verdict}: "), out.stdout
+    assert verdict_line(out.stdout).startswith(f"audit: {verdict}: "), out.stdout
     if status == 3:
         assert "its gradients are wrong as shipped (up to 2 microbatches per step)" in out.stdout
         assert "  workarounds without the hotfix: one microbatch per step" in out.stdout
@@ -162,9 +163,9 @@ def test_one_rank_says_whether_the_size_one_group_defect_is_repaired(
 
 
 @pytest.mark.parametrize(("release", "hotfix", "status", "words"), [
-    ("0.6.1", "1", 4, f"{SIZE_ONE} applies to this job and is repaired by single-rank-reduce]"),
+    ("0.6.1", "1", 4, f"{SIZE_ONE} applies to this job and is repaired by single-rank-reduce\n"),
     ("0.6.1", "0", 4, "this job accumulated one microbatch per step, which 0.6.1 gets right, but "
-                      "with 2 or more its gradients are wrong: load the hotfix]"),
+                      "with 2 or more its gradients are wrong: load the hotfix\n"),
     # 0.3.x adds the buffer onto itself: wrong from one microbatch on
     ("0.3.1", "0", 3, f"{SIZE_ONE} is not repaired, because single-rank-reduce is not applied "
                       "to this copy")],
@@ -183,7 +184,7 @@ def test_the_example_job_on_one_rank_tells_the_size_one_group_defect(
     assert out.returncode == status, text[-4000:]
     assert words in out.stdout, out.stdout
     verdict = "WRONG GRADIENTS" if status == 3 else "NOT CHECKED"
-    assert out.stdout.splitlines()[-1].startswith(f"audit: {verdict}: "), out.stdout
+    assert verdict_line(out.stdout).startswith(f"audit: {verdict}: "), out.stdout
 
 
 def test_audit_command_sees_the_maxpool_race_as_shipped(tmp_path: Path) -> None:
@@ -202,7 +203,7 @@ def test_audit_command_sees_the_maxpool_race_as_shipped(tmp_path: Path) -> None:
             "gradient-slot reuses") in out.stdout, text
     assert (f"gradient pools: fsdp_grads (MaxPoolAllocator): {want['unordered']} unordered of "
             f"{want['reuses']}") in out.stdout, text
-    assert out.stdout.splitlines()[-1].startswith("audit: UNORDERED: "), text
+    assert verdict_line(out.stdout).startswith("audit: UNORDERED: "), text
 
 
 def test_a_gradient_pool_of_an_allocator_the_audit_does_not_know_is_unwatched(
@@ -218,9 +219,10 @@ def test_a_gradient_pool_of_an_allocator_the_audit_does_not_know_is_unwatched(
     out = _audit_job(tmp_path, release, spec, hotfix="1")
     text = out.stdout + out.stderr
     assert out.returncode == 4, text[-4000:]
-    assert "UNWATCHED: 0 unordered of 0 gradient-slot reuses [gradient pool(s) fsdp_grads " \
-           "(NewPoolAllocator) built from a class the audit does not watch]" in out.stdout, text
-    assert out.stdout.splitlines()[-1].startswith("audit: UNWATCHED: "), text
+    assert "UNWATCHED: 0 unordered of 0 gradient-slot reuses\n" in out.stdout, text
+    assert "\n    why: gradient pool(s) fsdp_grads (NewPoolAllocator) built from a class the " \
+           "audit does not watch\n" in out.stdout, text
+    assert verdict_line(out.stdout).startswith("audit: UNWATCHED: "), text
     assert "mfsdp_hotfix audit, 2 ranks: UNWATCHED" in text, text[-4000:]
 
 
@@ -237,9 +239,10 @@ def test_the_example_job_crashing_as_shipped_is_the_releases_crash_and_exit_3(
               "--nproc-per-node", "2", str(REPO / "examples" / "train_fsdp.py")))
     text = out.stdout + out.stderr
     assert out.returncode == 3, text[-4000:]
-    assert out.stdout.splitlines()[-1].startswith(
-        "audit: CRASH: the release's double buffer crashed ('No buffer found for bucket_id', era "
-        "A): Megatron-FSDP's own code raised it"), text[-4000:]
+    assert verdict_line(out.stdout).startswith(
+        "audit: CRASH: the release's double buffer crashed; load the hotfix"), text[-4000:]
+    assert ("\n  the release's double buffer crashed ('No buffer found for bucket_id', era A): "
+            "Megatron-FSDP's own code raised it") in out.stdout, text[-4000:]
     assert "mfsdp_hotfix/slot_reuse.py" in out.stderr, out.stderr[-4000:]
     assert ("mfsdp_hotfix: this error was raised by Megatron-FSDP's own "
             "FixedPoolAllocator.allocate (the release's code). The frames of "

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_python
+from conftest import REPO, run_python, verdict_line
 
 from mfsdp_hotfix.selftest import gpu
 from mfsdp_hotfix.selftest.gpu_spec import GpuRun, GpuRunResult, merge
@@ -33,8 +33,9 @@ NO_TORCH = "import sys; sys.modules['torch'] = None; from mfsdp_hotfix.cli impor
 def test_gpu_selftest_without_a_gpu_says_cannot_run_and_what_to_do() -> None:
     proc = run_python("", env=NO_GPU, args=("-m", "mfsdp_hotfix", "selftest", "--gpu"))
     assert proc.returncode == 2, proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("selftest: CANNOT RUN: the GPU selftest cannot run here: no CUDA GPU")
+    last = verdict_line(proc.stdout)
+    assert last.startswith("selftest: CANNOT RUN: no CUDA GPU"), proc.stdout
+    assert "\n  the GPU selftest cannot run here: no CUDA GPU" in proc.stdout
     assert "FAIL" not in proc.stdout  # the word of a failed fix only
     assert "run `mfsdp-hotfix selftest` (CPU)" in last
     assert "Traceback" not in proc.stdout + proc.stderr
@@ -47,16 +48,17 @@ def test_gpu_selftest_json_without_a_gpu() -> None:
     data = json.loads(proc.stdout)
     assert data["verdict"] == "CANNOT RUN" and data["mode"] == "gpu"
     assert data["cannot_run"].startswith("no CUDA GPU")
-    assert proc.stderr.strip().splitlines()[-1] == data["conclusion"]
+    assert verdict_line(proc.stderr) == data["conclusion"]
 
 
 def test_gpu_selftest_without_torch() -> None:
     proc = run_python("", args=("-c", NO_TORCH, "selftest", "--gpu"))
     assert proc.returncode == 2
-    assert proc.stdout.strip() == ("selftest: CANNOT RUN: the GPU selftest cannot run here: no "
-                                   "torch in this environment. It needs this environment's "
-                                   "torch with CUDA and at least one visible GPU; without a "
-                                   "GPU, run `mfsdp-hotfix selftest` (CPU)")
+    assert proc.stdout.strip() == (
+        "selftest: CANNOT RUN: no torch in this environment; without a GPU, run `mfsdp-hotfix "
+        "selftest` (CPU)\n  the GPU selftest cannot run here: no torch in this environment\n  it "
+        "needs this environment's torch with CUDA and at least one visible GPU; nothing was "
+        "tested")
 
 
 def test_gpu_options_need_gpu() -> None:
@@ -186,11 +188,13 @@ RUNS = {r.name: r for r in PLAN.runs}
 def test_pass_hotfix_exact_and_audit_ordered() -> None:
     passed, line = gpu.conclusion(PLAN, _results(PLAN))
     assert passed
-    assert line == ("selftest: PASS: on 1 GPU, megatron-fsdp 0.6.1 with te.LayerNormMLP (TE "
-                    "2.20.2), 48 reduce-scatters delayed 20 ms: with the hotfix the gradients are "
-                    "bit-identical to the serialized run and the audit found 0 unordered of 16 "
-                    "gradient-slot reuses; as shipped: WRONG gradients (rel. L2 0.7 vs its "
-                    "serialized run); the audit found 12 unordered of 16 gradient-slot reuses")
+    assert line == ("selftest: PASS: on 1 GPU, megatron-fsdp 0.6.1: with the hotfix, bit-identical "
+                    "to the serialized run; as shipped: wrong\n"
+                    "  megatron-fsdp 0.6.1 with te.LayerNormMLP (TE 2.20.2), 48 reduce-scatters "
+                    "delayed 20 ms: with the hotfix the gradients are bit-identical to the "
+                    "serialized run and the audit found 0 unordered of 16 gradient-slot reuses\n"
+                    "  as shipped: WRONG gradients (rel. L2 0.7 vs its serialized run); the audit "
+                    "found 12 unordered of 16 gradient-slot reuses")
 
 
 @pytest.mark.parametrize(("hotfix", "words"), [
@@ -284,7 +288,7 @@ def test_driver_starts_the_four_runs_together() -> None:
     out, talk = io.StringIO(), io.StringIO()
     gpu.run_gpu_selftest(PLAN, out=out, progress=talk, launcher=launcher)
     assert launches == [["shipped serialized", "hotfix serialized", "shipped", "hotfix"]]
-    assert out.getvalue().splitlines()[-1].startswith("selftest: PASS: ")
+    assert verdict_line(out.getvalue()).startswith("selftest: PASS: ")
     assert "selftest: hotfix: exact" in talk.getvalue()
 
 
@@ -558,7 +562,7 @@ def test_the_real_worker_rehearsed_on_the_cpu(fsdp_release, tmp_path: Path,
     assert hotfix.outcome() == "exact" and hotfix.audit_reuses and hotfix.audit_unordered == 0
     assert shipped.outcome() == "exact" and shipped.audit_unordered  # the stand-in's clocks
     assert all(r.prepare_s and r.turn_s for r in results.values())
-    assert out.getvalue().splitlines()[-1].startswith("selftest: PASS: "), out.getvalue()
+    assert verdict_line(out.getvalue()).startswith("selftest: PASS: "), out.getvalue()
     assert list(tmp_path.iterdir()) == []
 
 

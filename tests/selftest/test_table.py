@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from mfsdp_hotfix.selftest import CaseResult, CaseSpec, format_table
@@ -44,11 +46,13 @@ def test_conclusion_is_one_greppable_line() -> None:
                         ordering_violations=24, release=release)
     passed, line = conclusion([("without hotfix", crashed), ("with hotfix", fine)])
     assert passed and line.startswith("selftest: PASS: with the hotfix, megatron-fsdp 0.4.0")
-    assert "0 unordered of 36 gradient-slot reuses" in line and line.endswith("without it: CRASH")
+    assert line.splitlines()[0].endswith("; without it: CRASH"), line
+    assert "0 unordered of 36 gradient-slot reuses" in line
     passed, line = conclusion([("without hotfix", unordered), ("with hotfix", unordered)])
     assert not passed and line.startswith("selftest: FAIL: with the hotfix, megatron-fsdp 0.4.0: "
                                           "UNORDERED")
-    assert "\n" not in line
+    first, *details = line.splitlines()
+    assert len(first) <= 120 and all(detail.startswith("  ") for detail in details), line
 
 
 @pytest.mark.parametrize(("flavour", "path", "module", "why"), [
@@ -58,7 +62,7 @@ def test_conclusion_is_one_greppable_line() -> None:
      "(--flavour core) cannot be imported: the megatron-core found has no "
      "megatron.core.distributed.fsdp"),
     ("core", None, "einops", "cannot be imported: it needs einops, which is not installed here"),
-    ("auto", None, None, "a Megatron-FSDP copy cannot be imported: none is importable here"),
+    ("auto", None, None, "a Megatron-FSDP copy cannot be imported: no copy is importable here"),
 ])
 def test_a_copy_that_cannot_be_imported_as_shipped_cannot_run(
         flavour: str, path: str | None, module: str | None, why: str) -> None:
@@ -88,7 +92,7 @@ def test_a_wrong_one_rank_run_fails_the_selftest() -> None:
                                ("with hotfix, one rank", wrong)])
     assert not passed and line.startswith("selftest: FAIL: with the hotfix, megatron-fsdp 0.6.1 "
                                           "at one rank: WRONG GRADS")
-    assert line.endswith("without it: ok, at one rank WRONG GRADS")
+    assert line.splitlines()[-1] == "  without it: ok, at one rank WRONG GRADS", line
     passed, line = conclusion([("without hotfix", fine), ("with hotfix", fine),
                                ("without hotfix, one rank", wrong),
                                ("with hotfix, one rank", fine)])
@@ -99,3 +103,47 @@ def test_case_labels_are_plain_words() -> None:
     label = CaseSpec(hotfix="off").label()
     assert label == ("the Megatron-FSDP copy importable here, hotfix off (MFSDP_HOTFIX=0), ZeRO-3, "
                      "double buffer, 5 units, 2 microbatch(es), megatron-lm protocol")
+
+
+def test_one_rank_is_said_in_the_singular() -> None:
+    """The one-rank runs' label said '1 ranks'."""
+    assert CaseSpec(world=1).label().endswith(", 1 rank")
+    assert CaseSpec(world=4).label().endswith(", 4 ranks")
+
+
+def test_the_selftest_says_its_case_once_and_each_run_in_a_short_line() -> None:
+    """Every line of progress fits in one glance: the case is said once, indented."""
+    from mfsdp_hotfix.selftest.selftest import run_selftest
+
+    release = {"dist": "megatron-fsdp", "version": "0.4.0"}
+
+    def runner(case: CaseSpec, tick: object) -> CaseResult:
+        return CaseResult(spec=case, crashed=False, max_abs_grad_error=0.0, ordering_checks=36,
+                          ordering_violations=0, release=release)
+
+    out = io.StringIO()
+    run_selftest(path="/some/where", out=out, runner=runner)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "selftest: 4 runs on CPU, without and with the hotfix, at 2 ranks and at one"
+    assert lines[1].startswith("  the case: the Megatron-FSDP copy importable here from /some/")
+    assert all(len(line) <= 120 for line in lines if not line.startswith(" ")), lines
+
+
+def test_a_pass_names_what_the_release_does_without_the_hotfix_in_one_glance() -> None:
+    """Where the one-rank outcome does not fit on the first line, it is told below it."""
+    from mfsdp_hotfix.selftest.selftest import conclusion
+
+    release = {"dist": "megatron-fsdp", "version": "0.5.1"}
+    fine = _result(crashed=False, max_abs_grad_error=0.0, ordering_checks=36,
+                   ordering_violations=0, release=release)
+    unordered = _result(crashed=False, max_abs_grad_error=0.0, ordering_checks=36,
+                        ordering_violations=24, release=release)
+    wrong = _result(crashed=False, max_abs_grad_error=0.5, ordering_checks=0,
+                    ordering_violations=0, release=release)
+    passed, text = conclusion([("without hotfix", unordered), ("with hotfix", fine),
+                               ("without hotfix, one rank", wrong),
+                               ("with hotfix, one rank", fine)])
+    first, *details = text.splitlines()
+    assert passed and first == ("selftest: PASS: with the hotfix, megatron-fsdp 0.5.1 gradients "
+                                "equal plain PyTorch; without it: UNORDERED"), text
+    assert "  without it: UNORDERED, at one rank WRONG GRADS" in details, text
