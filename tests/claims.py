@@ -1117,8 +1117,6 @@ claim("docs/CLI.md", "| {} for (a run crashed, hung past", EXITS,
       lambda e: (e["PARITY_CANNOT_COMPARE"],))
 claim("docs/CLI.md", "too coarse to decide); {}: the launcher cannot be started; {} + N after "
       "signal N", EXITS, lambda e: (e["CANNOT_START"], e["SIGNALLED"]))
-claim("docs/CLI.md", "(at most {} characters: the verdict and the one thing to do)",
-      "code mfsdp_hotfix/parity/verdict_text.py", lambda c: (c["FIRST_LINE"],))
 claim("docs/AUDIT.md", "**Exit status.** {} only for the verdict", EXITS, lambda e: (e["ordered"],))
 claim("docs/STATUS_PATH.md", "| {} | the copies were judged (with", EXITS,
       lambda e: (e["CHECK_OK"],))
@@ -1452,13 +1450,16 @@ claim(PR_DOC, "measured {:.3f} and {:.3f} (megatron-fsdp 0.6.1) and {:.3f} (mega
 
 
 # ---------------------------------------------------------------------------------------------
-# docs/CLI.md and docs/USAGE.md: the verdict rule's first-line length, from the code.
+# docs/CLI.md and docs/USAGE.md: the verdict rule's first-line length (status, audit, selftest,
+# parity), from the code.
 
 VERDICT_TEXT = "code mfsdp_hotfix/verdict_text.py"
 claim("docs/CLI.md", "the one thing to do, at most {} characters", VERDICT_TEXT,
       lambda c: (c["FIRST_LINE_MAX"],))
 claim("docs/USAGE.md", "The line is at most {} characters", VERDICT_TEXT,
       lambda c: (c["FIRST_LINE_MAX"],))
+claim("docs/CLI.md", "(at most {} characters: the verdict and the one thing to do)",
+      VERDICT_TEXT, lambda c: (c["FIRST_LINE_MAX"],))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..parity.plan import Plan
 
 NAME = "parity"
-HELP = "run your job against Megatron's own DDP and compare every iteration"
+HELP = "compare your job with Megatron's own DDP, every iteration"
 USAGE: str | None = ("mfsdp-hotfix parity --out DIR [--iters N] [--timeout S] [--with-shipped] "
                      "[--shrink LAYERS] [--json] -- LAUNCH COMMAND\n"
                      "       mfsdp-hotfix parity --compare REFERENCE_LOG CANDIDATE_LOG [--json]")

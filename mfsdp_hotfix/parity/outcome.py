@@ -10,12 +10,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..verdict_text import INDENT
 from .comparison import Comparison, Problem, Verdict, compare, compare_logs, precision_of
 from .floors import FLOORS
 from .launch import Outcome
 from .log_lines import RunLog, read_log
 from .plan import CANDIDATE, REFERENCE, SHIPPED, Plan, describe
-from .verdict_text import INDENT, as_json, render
+from .verdict_text import as_json, render
 
 SHOWN_LINES = 8  # of a run that crashed or hung
 CRASHED, HUNG = "crashed", "hung"

@@ -1,6 +1,7 @@
-"""A parity verdict in words: a first line of at most ``FIRST_LINE`` characters that says the
-verdict and the one thing to do, then details indented below; and the same as data for
-``--json`` (every field of the comparison kept)."""
+"""A parity verdict in words, by the package's one rule for a verdict's text
+(:mod:`mfsdp_hotfix.verdict_text`): a first line that says the verdict and the one thing to do,
+then details indented below; and the same as data for ``--json`` (every field of the comparison
+kept)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from .. import verdict_text
+from ..verdict_text import block
 from . import comparison as c
 from .comparison import Comparison, Row, Verdict
 
-FIRST_LINE = 120
-INDENT = "  "
 STATUS = "`mfsdp-hotfix status --verbose`"
 WORKAROUNDS = "the workarounds in docs/USAGE.md"
 # The one thing to do when runs cannot be compared, by the kind of the first problem.
@@ -55,19 +56,21 @@ def _iterations(comparison: Comparison) -> str:
 
 
 def first_line(comparison: Comparison) -> str:
-    """The verdict and the one thing to do, at most ``FIRST_LINE`` characters."""
+    """The verdict and the one thing to do, in at most ``verdict_text.FIRST_LINE_MAX``
+    characters (the details keep the whole)."""
     if comparison.verdict is Verdict.MATCH:
-        line = (f"MATCH: losses and grad norm within {comparison.precision} noise of the "
-                f"reference over {_iterations(comparison)}; nothing to do")
-    elif comparison.verdict is Verdict.MISMATCH:
+        return verdict_text.first_line(
+            f"MATCH: losses and grad norm within {comparison.precision} noise of the reference "
+            f"over {_iterations(comparison)}", "nothing to do")
+    if comparison.verdict is Verdict.MISMATCH:
         row = comparison.first_difference
         assert row is not None
-        line = (f"MISMATCH at iteration {row.iteration}: {row.metric} {_percent(row.relative)} "
-                f"off the reference; run {STATUS}")
-    else:
-        problem = comparison.problems[0]
-        line = f"CANNOT COMPARE: {problem.text}; {FIXES.get(problem.kind, 'see below')}"
-    return line if len(line) <= FIRST_LINE else line[:FIRST_LINE - 3] + "..."
+        return verdict_text.first_line(
+            f"MISMATCH at iteration {row.iteration}: {row.metric} {_percent(row.relative)} off "
+            "the reference", f"run {STATUS}")
+    problem = comparison.problems[0]
+    return verdict_text.first_line(f"CANNOT COMPARE: {problem.text}",
+                                   FIXES.get(problem.kind, "see below"))
 
 
 def _floor_line(comparison: Comparison) -> str | None:
@@ -112,8 +115,8 @@ def details(comparison: Comparison, runs_info: Mapping[str, Mapping[str, Any]]) 
 
 
 def render(comparison: Comparison, runs_info: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """The verdict as lines: the first at most ``FIRST_LINE`` characters, the rest indented."""
-    return [first_line(comparison)] + [INDENT + line for line in details(comparison, runs_info)]
+    """The verdict as lines: the first line, then the details indented."""
+    return block(first_line(comparison), details(comparison, runs_info)).splitlines()
 
 
 def _plain(value: Any) -> Any:

@@ -1,4 +1,4 @@
-"""parity/verdict_text and compare_logs: each verdict's first line (at most 120 characters, the
+"""parity/verdict_text and compare_logs: each verdict's first line (verdict_text's rule, the
 verdict and the one thing to do), its details, and the JSON that keeps every field."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from training_lines import megatron_line
 from mfsdp_hotfix.parity import comparison as c
 from mfsdp_hotfix.parity.comparison import Verdict, compare, compare_logs
 from mfsdp_hotfix.parity.log_lines import read_log
-from mfsdp_hotfix.parity.verdict_text import FIRST_LINE, FIXES, as_json, first_line, render
+from mfsdp_hotfix.parity.verdict_text import FIXES, as_json, first_line, render
+from mfsdp_hotfix.verdict_text import FIRST_LINE_MAX
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HOTFIX = str(FIXTURES / "core-0.19.2-zero1-hotfix.log")
@@ -59,9 +60,9 @@ def test_cannot_compare_gives_the_reason_and_the_fix(reference: str, candidate: 
     got = compare(read_log(reference), read_log(candidate), "fp32")
     assert got.verdict is Verdict.CANNOT_COMPARE and got.problems[0].kind == kind
     line = first_line(got)
-    assert line.startswith(f"CANNOT COMPARE: {got.problems[0].text}"[:FIRST_LINE - 3])
-    assert len(line) <= FIRST_LINE
-    assert FIXES[kind] in line or line.endswith("...")
+    state, todo = line.rsplit("; ", 1)
+    assert f"CANNOT COMPARE: {got.problems[0].text}".startswith(state.removesuffix("…"))
+    assert len(line) <= FIRST_LINE_MAX and FIXES[kind].startswith(todo.removesuffix("…"))
     assert f"  cannot compare: {got.problems[0].text}" in render(got, {})
 
 
@@ -73,12 +74,15 @@ def test_every_problem_kind_has_a_fix() -> None:
     assert kinds == set(FIXES)
 
 
-def test_a_long_reason_is_cut_to_the_first_lines_width() -> None:
+def test_a_long_reason_is_cut_at_a_word_and_keeps_the_thing_to_do() -> None:
     numbers = list(range(2, 60))
     ref = read_log("\n".join(megatron_line(n, {"lm loss": 9.0}, 2.24) for n in [1] + numbers))
     cand = read_log(megatron_line(1, {"lm loss": 9.0}, 2.24))
-    line = first_line(compare(ref, cand, "fp32"))
-    assert len(line) == FIRST_LINE and line.endswith("...")
+    got = compare(ref, cand, "fp32")
+    line = first_line(got)
+    assert len(line) <= FIRST_LINE_MAX
+    assert line.endswith(f"…; {FIXES[got.problems[0].kind]}"), line
+    assert f"  cannot compare: {got.problems[0].text}" in render(got, {})
 
 
 def test_an_unreadable_log(tmp_path: Path) -> None:
