@@ -89,7 +89,7 @@ def run(config: dict[str, Any], rank: int, world: int, store_path: str) -> dict[
     import torch
     import torch.distributed as dist
     from megatron_fsdp import fully_shard
-    if config.get("manual_fix"):
+    if config.get("manual_fix"):  # TEMPORARY until the fixes are declared
         from mfsdp_hotfix.fixes import inert_warm_up, root_forward_hooks
         inert_warm_up.apply(sys.modules["megatron_fsdp.fully_shard"])
         root_forward_hooks.apply(sys.modules["megatron_fsdp.megatron_fsdp"])
@@ -170,6 +170,29 @@ def compare_with_reference(config: dict[str, Any], seen: list[dict[str, Any]], i
              for s, w in zip(seen[1:2], want[1:2], strict=True) for n in w["params"]]
     result["first_update_ratio"] = float(sum(first) / len(first)) if first else math.nan
     return result
+
+
+def run_job(release: Path, hotfix: bool, world: int = 2, **config: Any) -> dict[str, Any]:
+    """Every rank of one run, as a test runs it; rank 0's report, or ``{"died": returncodes}``
+    where no rank 0 report was written (a rank killed by a signal: SIGSEGV is -11)."""
+    import subprocess
+    import tempfile
+
+    repo = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory(prefix="mfsdp-optimizer-") as tmp:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
+        env.update(PYTHONPATH=os.pathsep.join([str(release), str(repo)]),
+                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                   **({} if hotfix else {"MFSDP_HOTFIX": "0"}))
+        procs = [subprocess.Popen([sys.executable, __file__, json.dumps(config), str(rank),
+                                   str(world), f"{tmp}/store", tmp], env=env,
+                                  stderr=subprocess.PIPE) for rank in range(world)]
+        logs = [proc.communicate(timeout=300)[1].decode(errors="replace") for proc in procs]
+        report = Path(tmp, "rank0.json")
+        if not report.exists():
+            return {"died": [proc.returncode for proc in procs], "log": logs[0][-2000:]}
+        found: dict[str, Any] = json.loads(report.read_text())
+        return found
 
 
 def main(argv: list[str]) -> int:
