@@ -3,7 +3,8 @@ column-wise (``Shard(0)``) and row-wise (``Shard(1)``), on real Megatron-FSDP (C
 
 Run as ``python rowwise_tp_job.py CONFIG_JSON RANK WORLD STORE OUT`` with the release first on
 ``PYTHONPATH`` and the repository after it. ``CONFIG_JSON``: ``dp`` and ``tp``, the sizes of the
-(data-parallel, tensor-parallel) mesh; ``rowwise`` false shards both linears column-wise (each output gathered).
+(data-parallel, tensor-parallel) mesh; ``rowwise`` false shards both linears column-wise (each
+output gathered).
 Writes ``OUT/rank<R>.json``: ``built``, or the ``exception`` raised while building; once built,
 the largest difference of the forward output and of every gathered gradient from plain PyTorch
 (the same model, seed and data).
