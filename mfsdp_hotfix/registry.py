@@ -28,18 +28,32 @@ class Copy:
     @property
     def buffer_module(self) -> str:
         """Defines ``ParamAndGradBuffer`` and ``GradReducePipeline``."""
-        return f"{self.package}.param_and_grad_buffer"
+        return f"{self.package}{BUFFER}"
 
     @property
     def model_module(self) -> str:
         """Defines ``MegatronFSDP``."""
-        return f"{self.package}.megatron_fsdp"
+        return f"{self.package}{MODEL}"
 
     @property
     def core_linear_module(self) -> str | None:
         """megatron-core's own fused linear (:data:`CORE_LINEAR_MODULE`), for the copy vendored in
         megatron-core (``import megatron.core`` imports both); None for any other copy."""
-        return CORE_LINEAR_MODULE if self.package.startswith("megatron.core.") else None
+        return self.module(CORE_LINEAR_MODULE)
+
+    def module(self, where: str) -> str | None:
+        """The module a fix patches or a gate is read from: ``where`` relative (``.name``) is a
+        module of this copy's package; absolute, a megatron-core module outside Megatron-FSDP,
+        in the tree of the copy vendored in megatron-core only (None for any other copy)."""
+        if where.startswith("."):
+            return f"{self.package}{where}"
+        return where if self.package.startswith("megatron.core.") else None
+
+
+# Where a fix patches or a gate is read (:meth:`Copy.module`): the copy's buffer module and its
+# model module.
+BUFFER = ".param_and_grad_buffer"
+MODEL = ".megatron_fsdp"
 
 
 COPIES = (
@@ -264,3 +278,6 @@ SHAPES[CORE_LINEAR_BACKWARD] = (
           note="the Megatron-FSDP wgrad overwrites main_grad only where overwrite_main_grad "
                "says so"),
 )
+# Where each gate above is read from (:meth:`Copy.module`), parsed, not imported. A gate only one
+# fix reads may be declared on that fix instead (``Fix.gate_module``, ``Fix.gate_shapes``).
+GATE_MODULES = {HOOKS: MODEL, OVERWRITE_SETTER: MODEL, CORE_LINEAR_BACKWARD: CORE_LINEAR_MODULE}

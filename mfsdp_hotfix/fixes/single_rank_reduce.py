@@ -39,16 +39,11 @@ import weakref
 from types import ModuleType
 from typing import Any
 
-from .. import incidents
-from ..errors import UnsupportedConfiguration
 from ..fix_catalogue import SINGLE_RANK_REDUCE
+from ..guard import stopped
 from ..patching import Undo, wrap_attributes
-from ..release_defects import SINGLE_RANK_GRADS
 
 SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
-STOPPED = ("the step is stopped, because going on would train on wrong gradients of every "
-           "one-rank gradient buffer; workaround: " + " or ".join(SINGLE_RANK_GRADS.workarounds)
-           + ". Please report this with `mfsdp-hotfix status --json`")
 
 # Per gradient pipeline: the buckets whose hooks' reduction was left out since the last
 # finish_grad_sync, so each is scaled once however many microbatches added into it.
@@ -115,12 +110,6 @@ AUTO_SYNC = ("mfsdp_hotfix: single-rank-reduce: with model auto-sync (sync_model
              "exact")
 
 
-def _stop(where: str, exc: Exception) -> UnsupportedConfiguration:
-    incidents.report(SINGLE_RANK_REDUCE.id, where, exc, advice=STOPPED)
-    return UnsupportedConfiguration(
-        f"mfsdp_hotfix: {SINGLE_RANK_REDUCE.id} failed ({type(exc).__name__}: {exc}); {STOPPED}")
-
-
 def apply(model_module: ModuleType) -> Undo:
     """Wrap ``MegatronFSDP.all_gather_and_wait_parameters_ready`` and ``.finish_grad_sync``, and
     ``GradReducePipeline.reduce_gradients`` (the class the model module builds its pipeline
@@ -135,7 +124,7 @@ def apply(model_module: ModuleType) -> Undo:
                 if one_rank_bucket(instance.param_and_grad_buffer, param) is not None:
                     param.overwrite_main_grad = False
         except Exception as exc:
-            raise _stop("all_gather_and_wait_parameters_ready", exc) from exc
+            raise stopped(SINGLE_RANK_REDUCE, "all_gather_and_wait_parameters_ready", exc) from exc
         return result
 
     def leave_out_one_rank(wrapped: Any, instance: Any, args: tuple[Any, ...],
@@ -153,7 +142,7 @@ def apply(model_module: ModuleType) -> Undo:
                 elif not hybrid:
                     _LEFT_OUT.setdefault(instance, set()).add(bucket_id)
         except Exception as exc:
-            raise _stop("GradReducePipeline.reduce_gradients", exc) from exc
+            raise stopped(SINGLE_RANK_REDUCE, "GradReducePipeline.reduce_gradients", exc) from exc
         if params and not kept:
             return None
         return wrapped(kept, *args[1:], **kwargs)
@@ -163,7 +152,7 @@ def apply(model_module: ModuleType) -> Undo:
         try:
             scaled = scale_left_out(instance.grad_reduce_pipeline)
         except Exception as exc:
-            raise _stop("finish_grad_sync", exc) from exc
+            raise stopped(SINGLE_RANK_REDUCE, "finish_grad_sync", exc) from exc
         if scaled and instance.model_auto_sync and instance not in _WARNED:
             _WARNED.add(instance)
             log.warning("%s", AUTO_SYNC)
