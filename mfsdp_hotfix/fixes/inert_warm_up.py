@@ -24,11 +24,11 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from .. import incidents
+from .. import guard
+from ..fix_catalogue import INERT_WARM_UP
 from ..patching import Undo, wrap_function
 
 log = logging.getLogger("mfsdp_hotfix")
-FIX_ID = "inert-warm-up"
 UNKNOWN_STATE = ("mfsdp_hotfix: inert-warm-up: fully_shard_optimizer ran one warm-up step of "
                  "{name} on zero gradients; its parameters were restored, but its state (step "
                  "counters, moments) is left as that step made it, because the hotfix knows how a "
@@ -102,19 +102,12 @@ def apply(fully_shard_module: ModuleType) -> Undo:
 
     def inert(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         optimizer = kwargs["optimizer"] if "optimizer" in kwargs else args[0]
-        before = None
-        if not incidents.disabled(FIX_ID):
-            try:
-                before = snapshot(optimizer)
-            except Exception as exc:
-                incidents.report(FIX_ID, "fully_shard_optimizer", exc)
+        before = guard.attempt(INERT_WARM_UP, "fully_shard_optimizer",
+                               lambda: snapshot(optimizer))
         result = wrapped(*args, **kwargs)
-        if before is not None:
-            try:
-                if not undo_warm_up(optimizer, before):
-                    log.warning(UNKNOWN_STATE.format(name=type(optimizer).__qualname__))
-            except Exception as exc:
-                incidents.report(FIX_ID, "fully_shard_optimizer", exc)
+        if guard.attempt(INERT_WARM_UP, "fully_shard_optimizer",
+                         lambda: undo_warm_up(optimizer, before)) is False:
+            log.warning(UNKNOWN_STATE.format(name=type(optimizer).__qualname__))
         return result
 
-    return wrap_function(fully_shard_module, "fully_shard_optimizer", inert, FIX_ID)
+    return wrap_function(fully_shard_module, "fully_shard_optimizer", inert, INERT_WARM_UP.id)

@@ -18,9 +18,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from .. import guard
+from ..fix_catalogue import REPLICATED_GRAD_STATS
 from ..patching import Undo, wrap_function
 
-FIX_ID = "replicated-grad-stats"
 BUILDER = "_get_megatron_optimizer_based_on_param_groups"
 
 
@@ -40,8 +41,13 @@ def apply(optimizer_module: ModuleType) -> Undo:
     def model_parallel_stats(wrapped: Any, instance: Any, args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> Any:
         optimizer = wrapped(*args, **kwargs)
-        if optimizer is not None and replicated(kwargs["model_chunks"]):
-            optimizer.grad_stats_parallel_group = kwargs["model_parallel_group"]
+
+        def regroup() -> None:
+            if optimizer is not None and replicated(kwargs["model_chunks"]):
+                optimizer.grad_stats_parallel_group = kwargs["model_parallel_group"]
+
+        guard.attempt(REPLICATED_GRAD_STATS, BUILDER, regroup)
         return optimizer
 
-    return wrap_function(optimizer_module, BUILDER, model_parallel_stats, FIX_ID)
+    return wrap_function(optimizer_module, BUILDER, model_parallel_stats,
+                         REPLICATED_GRAD_STATS.id)

@@ -18,9 +18,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from .. import guard
+from ..fix_catalogue import ROOT_FORWARD_HOOKS
 from ..patching import Undo, wrap_attribute
-
-FIX_ID = "root-forward-hooks"
 
 
 def needs_hooks(model: Any) -> bool:
@@ -33,9 +33,11 @@ def apply(model_module: ModuleType) -> Undo:
 
     def through_call(wrapped: Any, instance: Any, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
-        if not needs_hooks(instance):
+        if guard.attempt(ROOT_FORWARD_HOOKS, "MegatronFSDP.forward",
+                         lambda: needs_hooks(instance)) is not True:
             return wrapped(*args, **kwargs)
         instance._replace_param_with_raw_if_needed()
         return instance.module(*args, **kwargs)
 
-    return wrap_attribute(model_module.MegatronFSDP, "forward", through_call, FIX_ID)
+    return wrap_attribute(model_module.MegatronFSDP, "forward", through_call,
+                          ROOT_FORWARD_HOOKS.id)

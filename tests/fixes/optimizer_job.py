@@ -89,10 +89,6 @@ def run(config: dict[str, Any], rank: int, world: int, store_path: str) -> dict[
     import torch
     import torch.distributed as dist
     from megatron_fsdp import fully_shard
-    if config.get("manual_fix"):  # TEMPORARY until the fixes are declared
-        from mfsdp_hotfix.fixes import inert_warm_up, root_forward_hooks
-        inert_warm_up.apply(sys.modules["megatron_fsdp.fully_shard"])
-        root_forward_hooks.apply(sys.modules["megatron_fsdp.megatron_fsdp"])
     from megatron_fsdp.fully_shard import fully_shard_optimizer
 
     from mfsdp_hotfix.selftest import model as model_lib

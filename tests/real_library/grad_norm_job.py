@@ -3,12 +3,14 @@ around a small ``GPTModel``, ``get_megatron_optimizer``'s distributed optimizer)
 and the gradient norm that optimizer clips by, next to plain PyTorch's.
 
 Run as ``python grad_norm_job.py CONFIG_JSON RANK WORLD STORE OUT`` with the megatron-core
-release first on ``PYTHONPATH`` and the repository after it. ``CONFIG_JSON``: ``strategy``.
+release first on ``PYTHONPATH`` and the repository after it (``MFSDP_HOTFIX=0``: as shipped).
+``CONFIG_JSON``: ``strategy``.
 One microbatch, driven as Megatron-LM's schedule leaves it (``is_last_microbatch``), then
 ``finish_grad_sync``. Writes ``OUT/rank<R>.json``: ``norm`` (``optimizer.get_grad_norm()``, what
 ``clip_grad_norm`` uses), ``ref`` (the norm of plain PyTorch's gradient of the mean loss over
 ranks, the same model and seed), ``local_norm`` (the norm of this rank's own gradients, before any
-reduction of statistics) and ``stats_group_size``.
+reduction of statistics), ``stats_group_size`` and the state of the fix
+``replicated-grad-stats``.
 
 CPU stand-ins, for the test only: the ``torch.cuda`` stand-in; factory functions that are asked
 for ``device="cuda"`` allocate on the CPU (the optimizer's scratch tensors); the adapter's
@@ -119,7 +121,11 @@ def run(config: dict[str, Any], rank: int, world: int, store: str) -> dict[str, 
     group = inner[0].get_grad_stats_parallel_group()
     (sum(ref(tokens[r], positions, None, labels=labels[r]).float().mean() for r in range(world))
      / world).backward()
-    return {"norm": norm,
+    import mfsdp_hotfix
+
+    states = {fix: entry["state"] for copy in mfsdp_hotfix.status()["copies"]
+              for fix, entry in copy["fixes"].items()}
+    return {"norm": norm, "replicated_grad_stats": states.get("replicated-grad-stats"),
             "ref": torch.stack([p.grad.norm() for p in ref.parameters()
                                 if p.grad is not None]).norm().item(),
             "local_norm": torch.stack([g.float().norm() for g in grads]).norm().item(),

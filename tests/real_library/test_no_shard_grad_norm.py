@@ -1,5 +1,6 @@
-"""The release defect ``no-shard-grad-norm-counts-every-rank``: megatron-core's own Megatron-FSDP
-path (its adapter, ``get_megatron_optimizer``'s distributed optimizer) on two gloo ranks on CPU
+"""``replicated-grad-stats`` and the release defect it repairs,
+``no-shard-grad-norm-counts-every-rank``: megatron-core's own Megatron-FSDP path (its adapter,
+``get_megatron_optimizer``'s distributed optimizer) on two gloo ranks on CPU
 (``grad_norm_job.py``), the norm the optimizer clips by against plain PyTorch's."""
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ JOB = Path(__file__).with_name("grad_norm_job.py")
 SHIPPED_RATIO = 1.41421
 
 
-def run_ranks(version: str, strategy: str) -> dict[str, Any]:
+def run_ranks(version: str, strategy: str, hotfix: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="mfsdp-grad-norm-") as tmp:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
         env.update(PYTHONPATH=os.pathsep.join([str(releases.unpacked("megatron-core", version)),
                                                str(releases.REPO)]),
                    GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   MFSDP_HOTFIX="0")
+                   **({} if hotfix else {"MFSDP_HOTFIX": "0"}))
         procs = [subprocess.Popen([sys.executable, str(JOB), json.dumps({"strategy": strategy}),
                                    str(rank), "2", f"{tmp}/store", tmp], env=env,
                                   stderr=subprocess.DEVNULL) for rank in range(2)]
@@ -39,15 +40,21 @@ def run_ranks(version: str, strategy: str) -> dict[str, Any]:
     return report
 
 
-def test_no_shard_counts_each_rank_on_0_17_1() -> None:
-    report = run_ranks("0.17.1", "no_shard")
-    assert report["local_norm"] == pytest.approx(report["ref"], rel=1e-6)  # gradients right
-    assert report["norm"] / report["ref"] == pytest.approx(SHIPPED_RATIO, rel=1e-5)
+def test_no_shard_counts_each_rank_as_shipped_and_once_with_the_fix() -> None:
+    shipped = run_ranks("0.17.1", "no_shard")
+    assert shipped["local_norm"] == pytest.approx(shipped["ref"], rel=1e-6)  # gradients right
+    assert shipped["norm"] / shipped["ref"] == pytest.approx(SHIPPED_RATIO, rel=1e-5)
+    fixed = run_ranks("0.17.1", "no_shard", hotfix=True)
+    assert fixed["replicated_grad_stats"] == "applied"
+    assert fixed["norm"] == pytest.approx(fixed["ref"], rel=1e-6)
+    assert fixed["stats_group_size"] == 1  # the model-parallel group
 
 
 @pytest.mark.parametrize(("version", "strategy"), [("0.18.2", "no_shard"),
                                                    ("0.17.1", "optim"),
                                                    ("0.17.1", "optim_grads_params")])
-def test_right_where_fixed_or_sharded(version: str, strategy: str) -> None:
-    report = run_ranks(version, strategy)
-    assert report["norm"] == pytest.approx(report["ref"], rel=1e-6)
+def test_right_where_fixed_or_sharded_and_left_as_shipped(version: str, strategy: str) -> None:
+    shipped, fixed = run_ranks(version, strategy), run_ranks(version, strategy, hotfix=True)
+    assert shipped["norm"] == pytest.approx(shipped["ref"], rel=1e-6)
+    assert fixed["norm"] == shipped["norm"]  # bit for bit
+    assert fixed["replicated_grad_stats"] == ("not needed" if version == "0.18.2" else "applied")
