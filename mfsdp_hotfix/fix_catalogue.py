@@ -362,47 +362,37 @@ CORE_LINEAR_ACCUMULATE = Fix(
     stop_because="let megatron-core's fused linear overwrite the ZeRO-1 gradients of every "
                  "later microbatch",
 )
-WARM_UP_UPSTREAM = ("NVIDIA/Megatron-LM#5976 (on main; not in a release as of megatron-core "
-                    "0.19.2 / megatron-fsdp 0.6.1)")
+WARM_UP_UPSTREAM = "NVIDIA/Megatron-LM#5976 (on main; in no release as of megatron-fsdp 0.6.1)"
 OPTIMIZER_WARM_UP_STEP = ReleaseDefect(
     "optimizer-warm-up-step",
     "inert-warm-up",
     {"megatron-fsdp": "0.4.0-0.6.1", "megatron-core": "0.17.0-0.19.2"},
-    "any copy whose fully_shard_optimizer has the text these releases shipped (it calls "
-    "optimizer.step() on zero gradients to build the optimizer state)",
-    "fully_shard_optimizer, or fully_shard with an optimizer (the standalone package's API; "
-    "megatron-core's FullyShardedDataParallel and Megatron-LM do not call it), with Adam or "
-    "AdamW, or with weight decay or dampened momentum",
-    "silently wrong first steps: the warm-up step on zero gradients counts as a step (Adam's "
-    "first real update uses the second step's bias correction and comes out too small), "
-    "AdamW's weight decay shrinks the weights once at wrapping, coupled weight decay moves the "
-    "weights and fills the moments",
-    ("if no checkpoint is loaded into the optimizer, call optimizer.state.clear() right after "
-     "fully_shard_optimizer (the first real step then builds the state)",),
+    "any copy whose fully_shard_optimizer steps on zero gradients to build the state",
+    "fully_shard_optimizer (fully_shard with an optimizer calls it; Megatron-LM does not) with "
+    "Adam, AdamW, weight decay or dampened momentum",
+    "silently wrong first steps: Adam counts the warm-up as a step (the first real update is "
+    "too small), AdamW's decay shrinks the weights once at wrapping, coupled decay moves them",
+    ("optimizer.state.clear() right after fully_shard_optimizer, where no checkpoint is loaded",),
     WARM_UP_UPSTREAM,
-    "an optimizer other than torch.optim.Adam, AdamW and SGD: its parameters are restored, its "
-    "state is left as the warm-up made it, and a warning says so",
+    "another optimizer than torch.optim.Adam, AdamW, SGD: its state is left (a warning says so)",
 )
 INERT_WARM_UP = Fix(
     "inert-warm-up",
-    "fully_shard_optimizer's warm-up step on zero gradients leaves the parameters and the "
-    "optimizer state as if no step had run (Adam, AdamW: step 0 and zero moments; SGD: the "
-    "momentum buffer a fresh optimizer starts from)",
+    "fully_shard_optimizer's warm-up step leaves the parameters and the optimizer state as if "
+    "no step had run (Adam, AdamW: step 0, zero moments; SGD: a fresh momentum buffer)",
     "inert_warm_up", ".fully_shard",
-    "its fully_shard_optimizer takes no step before training",
-    WARM_UP_UPSTREAM,
+    "its fully_shard_optimizer takes no step before training", WARM_UP_UPSTREAM,
     gate="fully_shard_optimizer", gate_module=".fully_shard",
-    gate_shapes=(
-        *(Shape(name, fingerprint, note="builds no optimizer state before training")
-          for name, fingerprint in (
-              ("0.14", "3b783e63bad30b7c5610099fc5f0bb4a42c1ea331c7bd5215cc79dbb21f56564"),
-              ("0.15.2", "cf371f305d4cce13f476e2a22a9feb173fb85fbf71b48e613e52b7c45c82ddd8"))),
-        Shape("0.17", "a77e8003065c75851e0f92a2cc0ecbcbd48275ef51fbca50b6da44f6d60400ac",
-              needs=frozenset({"inert-warm-up"}))),
+    gate_shapes=tuple(Shape(name, fingerprint, needs=frozenset({"inert-warm-up"})
+                            if name == "0.17" else frozenset(),
+                            note="builds no optimizer state before training")
+                      for name, fingerprint in (
+        ("0.14", "3b783e63bad30b7c5610099fc5f0bb4a42c1ea331c7bd5215cc79dbb21f56564"),
+        ("0.15.2", "cf371f305d4cce13f476e2a22a9feb173fb85fbf71b48e613e52b7c45c82ddd8"),
+        ("0.17", "a77e8003065c75851e0f92a2cc0ecbcbd48275ef51fbca50b6da44f6d60400ac"))),
     defect=OPTIMIZER_WARM_UP_STEP,
     on_failure=OnFailure.STOP,
-    stop_because="train from parameters and an optimizer state that a step on zero gradients "
-                 "has already moved",
+    stop_because="train from weights and optimizer state a zero-gradient step has moved",
 )
 
 ROOT_FORWARD_UPSTREAM = ("NVIDIA/Megatron-LM#5808, first released in megatron-core 0.19.0 / "
@@ -411,24 +401,19 @@ ROOT_PARAMETERS_NOT_GATHERED = ReleaseDefect(
     "root-parameters-not-gathered",
     "root-forward-hooks",
     {"megatron-fsdp": "0.1.0-0.5.1", "megatron-core": "0.14.0-0.18.2"},
-    "any copy whose MegatronFSDP.forward calls self.module.forward(...) (forks based on those "
-    "releases)",
-    "a wrapped module that owns a parameter itself (not through a child module) and uses it in "
-    "forward, with ZeRO-1, ZeRO-2 or ZeRO-3",
-    "ZeRO-3: the root's forward reads storage freed after wrapping (SIGSEGV in the first "
-    "iteration); ZeRO-1/2: silently wrong outputs and gradients (the parameter is never "
-    "synchronised after the optimizer step)",
+    "any copy whose MegatronFSDP.forward calls self.module.forward(...)",
+    "a wrapped module that owns a parameter itself and uses it in forward, ZeRO-1/2/3",
+    "ZeRO-3: the root's forward reads freed storage (SIGSEGV); ZeRO-1/2: silently wrong "
+    "outputs and gradients (the parameter is not synchronised after the optimizer step)",
     ("move the parameter into a child module", "no_shard"),
-    ROOT_FORWARD_UPSTREAM,
-    "",
+    ROOT_FORWARD_UPSTREAM, "",
 )
 ROOT_FORWARD_HOOKS = Fix(
     "root-forward-hooks",
     "MegatronFSDP.forward runs a wrapped module that owns a parameter through "
     "nn.Module.__call__, so the hooks that gather that parameter run",
     "root_forward_hooks", MODEL,
-    "its MegatronFSDP.forward runs the wrapped module through nn.Module.__call__ "
-    "(NVIDIA/Megatron-LM#5808)",
+    "its MegatronFSDP.forward runs the wrapped module through nn.Module.__call__",
     ROOT_FORWARD_UPSTREAM,
     gate="MegatronFSDP.forward", gate_module=MODEL,
     gate_shapes=(
@@ -451,44 +436,38 @@ NO_SHARD_GRAD_NORM = ReleaseDefect(
     "no-shard-grad-norm-counts-every-rank",
     "replicated-grad-stats",
     {"megatron-core": "0.14.0-0.17.1"},
-    "any megatron-core tree whose get_megatron_optimizer reduces a Megatron-FSDP optimizer's "
-    "gradient statistics over the distributed optimizer's group whatever the strategy",
-    "no_shard over 2 or more data-parallel ranks, through megatron-core's optimizer "
-    "(get_megatron_optimizer: Megatron-LM, Megatron-Bridge)",
-    "silently wrong clipping and logged norm: every rank holds the whole gradient, and the norm "
-    "counts it once per data-parallel rank (the square root of the data-parallel size too "
-    "large), so clipping scales every step too far down; the gradients themselves are right",
+    "any megatron-core whose get_megatron_optimizer reduces no_shard statistics over data-parallel",
+    "no_shard over 2 or more data-parallel ranks through get_megatron_optimizer (Megatron-LM)",
+    "silently wrong clipping and logged norm: the norm counts the whole gradient once per "
+    "data-parallel rank (sqrt(data-parallel size) too large); the gradients are right",
     ("ZeRO-1 (optim)", "no gradient clipping (clip_grad=0)"),
-    "fixed in megatron-core 0.18.0",
-    "",
+    "fixed in megatron-core 0.18.0", "",
 )
 REPLICATED_GRAD_STATS = Fix(
     "replicated-grad-stats",
     "a no_shard Megatron-FSDP model's distributed optimizer reduces its gradient statistics "
     "(the norm clipping uses, the count of zeros) over the model-parallel group only",
     "replicated_grad_stats", OPTIMIZER_MODULE,
-    "no megatron-core optimizer is in this copy's tree, or its get_megatron_optimizer reduces "
-    "a no_shard model's statistics over the model-parallel group (megatron-core 0.18.0)",
+    "no megatron-core optimizer is in this copy's tree, or it reduces no_shard statistics over "
+    "the model-parallel group (megatron-core 0.18.0)",
     "fixed in megatron-core 0.18.0",
     gate="get_megatron_optimizer", gate_module=OPTIMIZER_MODULE,
-    gate_shapes=(
-        *(Shape(name, fingerprint, needs=frozenset({"replicated-grad-stats"}))
-          for name, fingerprint in (
-              ("0.14", "e26ebb3600a0811a1dc09c498385fc696fbd4ee3d304e65998d7674fd660c3eb"),
-              ("0.15", "89ba442f310e9d0c0a75c5258bd8b3bd07c91ebda8ee9f2811170e0856b8a1b8"),
-              ("0.16", "1c55a4d52b46df034c69f6d93f0950fe7b61009ac4d96908d71f8136237c44b6"))),
-        *(Shape(name, fingerprint, note="reduces a no_shard model's statistics over the "
-                                        "model-parallel group")
-          for name, fingerprint in (
-              ("0.18", "d690247555e130a2653aa6781ff43b5d1a1a907022e78c2acdc350f960eb7097"),
-              ("0.19", "2ef243e15a2168de13bca0bbeb5f21f40add5556c738138f06f5334188d8ae2b")))),
+    gate_shapes=tuple(Shape(name, fingerprint, needs=frozenset({"replicated-grad-stats"})
+                            if name < "0.18" else frozenset(),
+                            note="reduces a no_shard model's statistics over model-parallel")
+                      for name, fingerprint in (
+        ("0.14", "e26ebb3600a0811a1dc09c498385fc696fbd4ee3d304e65998d7674fd660c3eb"),
+        ("0.15", "89ba442f310e9d0c0a75c5258bd8b3bd07c91ebda8ee9f2811170e0856b8a1b8"),
+        ("0.16", "1c55a4d52b46df034c69f6d93f0950fe7b61009ac4d96908d71f8136237c44b6"),
+        ("0.18", "d690247555e130a2653aa6781ff43b5d1a1a907022e78c2acdc350f960eb7097"),
+        ("0.19", "2ef243e15a2168de13bca0bbeb5f21f40add5556c738138f06f5334188d8ae2b"))),
     defect=NO_SHARD_GRAD_NORM,
     limits=(Limit("no_shard over 2 or more data-parallel ranks",
                   lambda model: (model.ddp_config.data_parallel_sharding_strategy == "no_shard"
                                  and not has_one_rank_gradient_group(model)),
                   NO_SHARD_GRAD_NORM.symptom, " or ".join(NO_SHARD_GRAD_NORM.workarounds)),),
     on_failure=OnFailure.STOP,
-    stop_because="clip every step by a norm the square root of the data-parallel size too large",
+    stop_because="clip every step by a norm sqrt(data-parallel size) too large",
 )
 
 # The double buffer's fixes (the eras); the others repair release defects outside it and rest on

@@ -116,7 +116,7 @@ TE_PARTIAL_CUDA_GRAPHS = ReleaseDefect(
     "NVIDIA/Megatron-LM#4231 and #4232 (open; they also need a TransformerEngine change)",
     "every configuration it hits: no fix repairs it, and a model built in one is refused "
     "(UnsupportedConfiguration) while the hotfix is loaded",
-    carrier=HOOKS,
+    carrier=HOOKS, refused_when_built=True,
     limits=(Limit("TransformerEngine's per-layer CUDA graphs (cuda_graph_impl="
                   "'transformer_engine' or external_cuda_graph)", te_partial_cuda_graphs,
                   "", ""),),

@@ -20,6 +20,12 @@ from installed import installed  # noqa: E402, F401  (session fixture: this pack
 REFUSES_HSDP = ("; refuses HSDP with ZeRO-1 (optim) and overlap_grad_reduce=False, HSDP with "
                 "no_shard and overlap_grad_reduce=False at model construction (no fix makes it "
                 "right): use overlap_grad_reduce=True (the default)")
+# ... and for every copy: no release prepares its hooks for TransformerEngine's graph capture.
+REFUSES_TE_GRAPHS = ("; refuses TransformerEngine's per-layer CUDA graphs (cuda_graph_impl="
+                     "'transformer_engine' or external_cuda_graph) at model construction (no fix "
+                     "makes it right): use no CUDA graphs (cuda_graph_impl='none') or "
+                     "full-iteration CUDA graphs (cuda_graph_impl='full_iteration'), the kind "
+                     "upstream supports with Megatron-FSDP")
 
 
 def run_python(code: str, *path: Path | str, env: dict[str, str] | None = None,

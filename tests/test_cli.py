@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REFUSES_HSDP, run_python
+from conftest import REFUSES_HSDP, REFUSES_TE_GRAPHS, run_python
 
 from mfsdp_hotfix import bootstrap, reporting
 
@@ -39,8 +39,8 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
     (unfixed,) = data["unfixed"]
     assert code == 1 and data["verdict"]["protected"] is False
     assert unfixed.startswith("megatron-fsdp 0.5.1 at ") and unfixed.endswith(
-        ": getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce would "
-        "apply, but "
+        ": getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce, "
+        "inert-warm-up, root-forward-hooks would apply, but "
         + reporting.UNPROTECTING["not loaded"])
     armed_code, armed = status(Path(ARMED), fsdp_release("0.5.1"))
     assert armed_code == 0 and armed["unfixed"] == [] and armed["verdict"]["protected"] is True
@@ -219,8 +219,8 @@ def test_the_api_answers_for_this_process(fsdp_release) -> None:
     assert json.loads(proc.stdout.splitlines()[-1]) == {
         "affected": True, "protected": True,
         "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active and "
-                "applies ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce"
-                + REFUSES_HSDP}
+                "applies ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce, "
+                "inert-warm-up" + REFUSES_HSDP + REFUSES_TE_GRAPHS}
 
 
 def test_disabled_fix_fails_the_check(fsdp_release) -> None:
@@ -269,12 +269,14 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
         return
     assert lines[:2] == [
         "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed and applies "
-        "getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce; "
-        "refuses HSDP with ZeRO-1 "
+        "getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce, "
+        "inert-warm-up, root-forward-hooks; refuses HSDP with ZeRO-1 "
         "(optim) and overlap_grad_reduce=False at model construction (no fix makes it right): "
-        "use overlap_grad_reduce=True (the default)",
+        "use overlap_grad_reduce=True (the default)" + REFUSES_TE_GRAPHS,
         "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate, "
-        f"reduce-once, single-rank-reduce would apply; at "
+        f"reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks would apply; "
+        f"te-partial-cuda-graphs NOT repaired; for te-partial-cuda-graphs use no CUDA graphs "
+        f"(cuda_graph_impl='none'); at "
         f"{fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
     assert lines[2].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
                              "on PYTHONPATH") and len(lines) == 4, lines

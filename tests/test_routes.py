@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REFUSES_HSDP, REPO
+from conftest import REFUSES_HSDP, REFUSES_TE_GRAPHS, REPO
 from installed import Installed  # its session fixture `installed` comes from conftest
 
 pytestmark = pytest.mark.slow
@@ -152,10 +152,11 @@ def test_status(installed: Installed) -> None:
     lines = plain.stdout.splitlines()
     assert lines[0] == ("affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed "
                         "and applies getter-guard, ordered-drain, zero1-accumulate, "
-                        "reduce-once, single-rank-reduce" + REFUSES_HSDP), lines
+                        "reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks"
+                        + REFUSES_HSDP + REFUSES_TE_GRAPHS), lines
     assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain, "
-                               "zero1-accumulate, reduce-once, single-rank-reduce would apply; "
-                               "at "), lines
+                               "zero1-accumulate, reduce-once, single-rank-reduce, inert-warm-up, "
+                               "root-forward-hooks would apply; "), lines
     assert re.fullmatch(r"mfsdp-hotfix \S+, in a new Python process of this environment: the "
                         r"hotfix is armed at interpreter start by \S+/site-packages/"
                         r"mfsdp_hotfix\.pth", lines[2]), lines
@@ -179,7 +180,8 @@ def test_status_path(installed: Installed) -> None:
     lines = proc.stdout.splitlines()
     assert lines[0] == ("affected: megatron-fsdp 0.5.1 (era B) — repaired where the hotfix is "
                         "loaded: it applies getter-guard, ordered-drain, zero1-accumulate, "
-                        "reduce-once, single-rank-reduce" + REFUSES_HSDP), lines
+                        "reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks"
+                        + REFUSES_HSDP + REFUSES_TE_GRAPHS), lines
     assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): "), lines
     assert f"for the folder {folder}, read from disk (nothing imported)" in proc.stdout
 
