@@ -257,7 +257,7 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
             by_state.setdefault(state, []).append(fix)
             if fix not in {defect["fix"] for defect in defects}:
                 remedies.append(f"use {DOUBLE_BUFFER_OFF}")
-        defects = [defect for defect in defects if not _refused_when_built(defect, copy)]
+        defects = [defect for defect in defects if not refused_when_built(defect, copy)]
         remedies += [f"for {defect['name']} use {defect['workarounds'][0]}" for defect in defects
                      if defect["fix"] in gaps or not defect["repaired"]]
         told: list[str] = []
@@ -291,7 +291,7 @@ def remedies(copy: dict[str, Any], hotfix: str | None) -> list[str]:
     return _unprotected([copy], hotfix, {})[1]
 
 
-def _refused_when_built(defect: dict[str, Any], copy: dict[str, Any]) -> bool:
+def refused_when_built(defect: dict[str, Any], copy: dict[str, Any]) -> bool:
     """Whether ``defect`` (no fix repairs it) is refused wherever it hits, in this process:
     the verdict names it among the refusals (:func:`_refused_line`), not as unprotected."""
     return bool(defect.get("refused_when_built")) and all(

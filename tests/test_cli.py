@@ -58,14 +58,18 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply", "single-rank-reduce": "would apply",
-        "core-linear-accumulate": "not needed"}
+        "core-linear-accumulate": "not needed", "inert-warm-up": "would apply",
+        "root-forward-hooks": "would apply", "replicated-grad-stats": "not needed"}
     assert [(x["fix"], x["covered"]) for x in copy["limits"]] == [
         ("getter-guard", True), ("ordered-drain", True), ("zero1-accumulate", True),
         ("reduce-once", False), ("reduce-once", False), ("reduce-once", True),
-        ("reduce-once", True), ("single-rank-reduce", True)]
+        ("reduce-once", True), ("single-rank-reduce", True), ("root-forward-hooks", True),
+        (None, False)]
     assert [x["configuration"] for x in copy["limits"] if not x["covered"]] == [
         "HSDP with ZeRO-1 (optim) and overlap_grad_reduce=False",
-        "HSDP with no_shard and overlap_grad_reduce=False"]
+        "HSDP with no_shard and overlap_grad_reduce=False",
+        "TransformerEngine's per-layer CUDA graphs (cuda_graph_impl='transformer_engine' or "
+        "external_cuda_graph)"]
 
 
 def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
@@ -130,7 +134,8 @@ def test_switched_off_says_off_everywhere(fsdp_release) -> None:
     assert {k: fix["state"] for k, fix in data["copies"][0]["fixes"].items()} == {
         "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed",
         "zero1-accumulate": "off",
-        "reduce-once": "off", "single-rank-reduce": "off", "core-linear-accumulate": "not needed"}
+        "reduce-once": "off", "single-rank-reduce": "off", "core-linear-accumulate": "not needed",
+        "inert-warm-up": "off", "root-forward-hooks": "off", "replicated-grad-stats": "not needed"}
     for verbose in ((), ("--verbose",)):
         proc = run_python("", fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"},
                           args=("-m", "mfsdp_hotfix", "status", *verbose))
@@ -244,7 +249,8 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
     assert fixes == {"getter-guard": "refused", "ordered-drain": "refused",
                      "missed-post-backward": "not needed", "zero1-accumulate": "would apply",
                      "reduce-once": "would apply", "single-rank-reduce": "would apply",
-        "core-linear-accumulate": "not needed"}
+        "core-linear-accumulate": "not needed", "inert-warm-up": "would apply",
+        "root-forward-hooks": "would apply", "replicated-grad-stats": "not needed"}
     assert [d["name"] for d in data["copies"][0]["release_defects"]] == [
         "zero1-fused-wgrad-overwrite", "unsharded-grads-reduced-twice",
         "single-rank-grads-reduced-every-microbatch"]
@@ -463,7 +469,8 @@ def test_a_refused_copy_is_told_what_still_applies_what_is_left_and_each_workaro
         "getter-guard": "refused", "ordered-drain": "refused",
         "missed-post-backward": "would apply", "zero1-accumulate": "would apply",
         "reduce-once": "not needed", "single-rank-reduce": "would apply",
-        "core-linear-accumulate": "not needed"}
+        "core-linear-accumulate": "not needed", "inert-warm-up": "not needed",
+        "root-forward-hooks": "would apply", "replicated-grad-stats": "not needed"}
     line = data["verdict"]["line"]
     assert code == 1 and line.startswith(
         "affected: megatron-fsdp 0.2.3 (not recognised) — NOT protected: getter-guard, "
