@@ -40,8 +40,6 @@ class ReleaseDefect:
     not_covered: str
     carrier: str | None = None  # fix None: the function whose shape has the defect
     limits: tuple[Limit, ...] = ()
-    refused_when_built: bool = False  # fix None: every model its limits match is refused, so
-    #                                   the verdict names the refusal instead of NOT protected
 
 
 def carried(defect: ReleaseDefect, shapes: Mapping[str, Shape | None]) -> bool | None:

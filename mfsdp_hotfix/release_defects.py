@@ -21,7 +21,7 @@ from .limits import (
     scales_before_summing_a_shard,
     sharded,
 )
-from .registry import BUCKET_REDUCE, HOOKS, Shape
+from .registry import BUCKET_REDUCE, Shape
 from .states import FixState
 
 SHARDED_GRADS_SUMMED_UNSCALED = ReleaseDefect(
@@ -85,50 +85,13 @@ UNSHARDED_SHARD_ADDED_TO_ITSELF = ReleaseDefect(
                   "", ""),),
 )
 
-
-def te_partial_cuda_graphs(model: object) -> bool:
-    """Whether a module ``model`` (a built ``MegatronFSDP``) wraps carries a megatron-core
-    ``TransformerConfig`` asking for TransformerEngine's per-layer CUDA graphs:
-    ``cuda_graph_impl="transformer_engine"``, or ``external_cuda_graph`` (its older name)."""
-    for module in model.module.modules():  # type: ignore[attr-defined]
-        config = getattr(module, "config", None)
-        if (getattr(config, "cuda_graph_impl", None) == "transformer_engine"
-                or getattr(config, "external_cuda_graph", False) is True):
-            return True
-    return False
-
-
-TE_PARTIAL_CUDA_GRAPHS = ReleaseDefect(
-    "te-partial-cuda-graphs",
-    None,
-    {"megatron-fsdp": "0.1.0-0.6.1", "megatron-core": "0.14.0-0.19.2"},
-    "every copy: no release prepares Megatron-FSDP's hooks for TransformerEngine's graph "
-    "capture (NVIDIA main neither)",
-    "TransformerEngine's per-layer (partial) CUDA graphs with Megatron-FSDP: "
-    "TransformerConfig.cuda_graph_impl='transformer_engine' (Megatron-LM's --cuda-graph-impl "
-    "transformer_engine), or external_cuda_graph=True",
-    "numerical divergence and illegal memory access: TransformerEngine's "
-    "make_graphed_callables captures Megatron-FSDP's forward hooks, which wrap its backward "
-    "handlers, in the wrong phase (upstream's report; not measured here, it needs a GPU)",
-    ("no CUDA graphs (cuda_graph_impl='none')",
-     "full-iteration CUDA graphs (cuda_graph_impl='full_iteration'), the kind upstream supports "
-     "with Megatron-FSDP"),
-    "NVIDIA/Megatron-LM#4231 and #4232 (open; they also need a TransformerEngine change)",
-    "every configuration it hits: no fix repairs it, and a model built in one is refused "
-    "(UnsupportedConfiguration) while the hotfix is loaded",
-    carrier=HOOKS, refused_when_built=True,
-    limits=(Limit("TransformerEngine's per-layer CUDA graphs (cuda_graph_impl="
-                  "'transformer_engine' or external_cuda_graph)", te_partial_cuda_graphs,
-                  "", ""),),
-)
 # The first releases after those whose one-rank reduction adds the buffer onto itself
 # (megatron-fsdp 0.3.x, megatron-core 0.16), by distribution: from these on one microbatch per
 # step keeps a one-rank buffer right (SINGLE_RANK_GRADS's first workaround) and
 # single-rank-reduce repairs HSDP too (its not_covered). The audit takes a copy labelled before
 # them, or with no release label, as one that may add the buffer onto itself.
 SINGLE_RANK_NO_SELF_ADD_FROM = {"megatron-fsdp": "0.4.0", "megatron-core": "0.17.0"}
-UNREPAIRED_DEFECTS = (SHARDED_GRADS_SUMMED_UNSCALED, UNSHARDED_SHARD_ADDED_TO_ITSELF,
-                      TE_PARTIAL_CUDA_GRAPHS)
+UNREPAIRED_DEFECTS = (SHARDED_GRADS_SUMMED_UNSCALED, UNSHARDED_SHARD_ADDED_TO_ITSELF)
 RELEASE_DEFECTS = (*(fix.defect for fix in FIXES if fix.defect is not None), *UNREPAIRED_DEFECTS)
 # The limits of the defects no fix repairs, marked with their defect ("" failure or workaround:
 # the defect's symptom, its workarounds).

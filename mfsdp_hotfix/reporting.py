@@ -142,7 +142,7 @@ def release_defects(fixes: dict[str, tuple[str, str]],
             "releases": dict(defect.releases), "git_trees": defect.git_trees,
             "configuration": defect.configuration, "symptom": defect.symptom,
             "workarounds": list(defect.workarounds), "upstream": defect.upstream,
-            "not_covered": defect.not_covered, "refused_when_built": defect.refused_when_built})
+            "not_covered": defect.not_covered})
     return found
 
 
@@ -257,7 +257,6 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
             by_state.setdefault(state, []).append(fix)
             if fix not in {defect["fix"] for defect in defects}:
                 remedies.append(f"use {DOUBLE_BUFFER_OFF}")
-        defects = [defect for defect in defects if not refused_when_built(defect, copy)]
         remedies += [f"for {defect['name']} use {defect['workarounds'][0]}" for defect in defects
                      if defect["fix"] in gaps or not defect["repaired"]]
         told: list[str] = []
@@ -289,14 +288,6 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
 def remedies(copy: dict[str, Any], hotfix: str | None) -> list[str]:
     """What to use instead for what ``copy`` leaves unprotected: the verdict's advice for it."""
     return _unprotected([copy], hotfix, {})[1]
-
-
-def refused_when_built(defect: dict[str, Any], copy: dict[str, Any]) -> bool:
-    """Whether ``defect`` (no fix repairs it) is refused wherever it hits, in this process:
-    the verdict names it among the refusals (:func:`_refused_line`), not as unprotected."""
-    return bool(defect.get("refused_when_built")) and all(
-        limit.get("refused_at_model_construction") for limit in copy.get("limits", [])
-        if limit.get("defect") == defect["name"])
 
 
 def _unrepaired(defect: dict[str, Any], copy: dict[str, Any]) -> str:

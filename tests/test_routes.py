@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REFUSES_HSDP, REFUSES_TE_GRAPHS, REPO
+from conftest import REFUSES_HSDP, REPO
 from installed import Installed  # its session fixture `installed` comes from conftest
 
 pytestmark = pytest.mark.slow
@@ -153,7 +153,7 @@ def test_status(installed: Installed) -> None:
     assert lines[0] == ("affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed "
                         "and applies getter-guard, ordered-drain, zero1-accumulate, "
                         "reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks"
-                        + REFUSES_HSDP + REFUSES_TE_GRAPHS), lines
+                        + REFUSES_HSDP), lines
     assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain, "
                                "zero1-accumulate, reduce-once, single-rank-reduce, inert-warm-up, "
                                "root-forward-hooks would apply; "), lines
@@ -181,7 +181,7 @@ def test_status_path(installed: Installed) -> None:
     assert lines[0] == ("affected: megatron-fsdp 0.5.1 (era B) — repaired where the hotfix is "
                         "loaded: it applies getter-guard, ordered-drain, zero1-accumulate, "
                         "reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks"
-                        + REFUSES_HSDP + REFUSES_TE_GRAPHS), lines
+                        + REFUSES_HSDP), lines
     assert lines[1].startswith("- megatron-fsdp 0.5.1 (era B): "), lines
     assert f"for the folder {folder}, read from disk (nothing imported)" in proc.stdout
 
