@@ -199,7 +199,8 @@ def test_switched_off(installed: Installed) -> None:
     assert [line.rsplit(": ", 1)[1] for line in unfixed] == [
         "getter-guard off (MFSDP_HOTFIX=0)", "ordered-drain off (MFSDP_HOTFIX=0)",
         "zero1-accumulate off (MFSDP_HOTFIX=0)", "reduce-once off (MFSDP_HOTFIX=0)",
-        "single-rank-reduce off (MFSDP_HOTFIX=0)"], unfixed
+        "single-rank-reduce off (MFSDP_HOTFIX=0)", "inert-warm-up off (MFSDP_HOTFIX=0)",
+        "root-forward-hooks off (MFSDP_HOTFIX=0)"], unfixed
     proc = installed.sh("MFSDP_HOTFIX=0 python -c 'import megatron_fsdp, mfsdp_hotfix; "
                         "print(mfsdp_hotfix.summary()); "
                         "print(mfsdp_hotfix.status()[\"copies\"][0][\"imported\"])\n"
