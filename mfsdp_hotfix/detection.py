@@ -280,6 +280,8 @@ def _gate_sources(copy: Copy, buffer_file: Path) -> dict[str, str | None]:
         path = Path(root, *module.split(".")).with_suffix(".py")
         if not where.startswith(".") and not path.parent.is_dir():
             continue
+        if not path.exists() and path.with_suffix("").is_dir():  # a package
+            path = path.with_suffix("") / "__init__.py"
         try:
             sources[qualname] = fingerprints.parse_file(path).source(qualname)
         except KeyError:

@@ -7,14 +7,15 @@ and the release defects read it from here)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import replace
 
 from . import registry
 from .defects import ReleaseDefect
 from .eras import ORDERED_DRAIN_UPSTREAM, era_of
+from .fix_catalogue_outside import OUTSIDE_THE_BUFFER
+from .fix_type import Fix as Fix
+from .fix_type import OnFailure as OnFailure
 from .limits import (
     HSDP_FAILURE,
     OVERLAP,
@@ -41,80 +42,6 @@ from .registry import (
     WAIT,
     Shape,
 )
-
-
-class OnFailure(Enum):
-    """What a fix's failure at runtime does (``guard.py`` carries it out)."""
-
-    SWITCH_OFF = "switch off"  # reported once; the code runs as shipped from then on
-    STOP = "stop"  # reported, and the step raises UnsupportedConfiguration: going on as
-    #                shipped would train on wrong gradients silently
-
-
-@dataclass(frozen=True)
-class Fix:
-    """One repair, declared whole.
-
-    ``module``: its module in ``mfsdp_hotfix.fixes``, whose ``apply(module) -> Undo`` patches
-    the copy's module ``target`` (:meth:`~mfsdp_hotfix.registry.Copy.module`: ``registry.BUFFER``,
-    ``registry.MODEL``, another module of the copy's package as ``.name``, or a megatron-core
-    module outside Megatron-FSDP by its full name), once that module is imported.
-    ``not_needed``: why a copy does not need it, as ``status`` says it.
-    ``depends_on``: functions that must have a known shape for the fix to be applied (or for
-    its need to be decided); an unknown shape there refuses the copy, and this fix with it
-    (``refused``), while a fix that depends on none of them still applies.
-    ``only_unguarded``: needed only where the getter's shape is unguarded.
-    ``only_unordered``: not needed where the getter drains and the drain orders the caller's
-    stream with at most pool-size units live (era "none": the change proposed upstream).
-    ``gate``: a model-module function (:data:`~mfsdp_hotfix.registry.GATES`), or megatron-core's
-    fused linear (:data:`~mfsdp_hotfix.registry.CORE_LINEAR_BACKWARD`), whose shape decides the
-    need (its :attr:`~mfsdp_hotfix.registry.Shape.needs`); an unknown shape there leaves the fix
-    unverified, not the copy refused; a gate whose code is not in the copy's tree at all
-    (megatron-core's linear beside megatron-fsdp): not needed. A gate the registry does not
-    declare (:data:`~mfsdp_hotfix.registry.GATE_MODULES`) is declared here: ``gate_module``
-    where it is read (as ``target``) and ``gate_shapes`` its known shapes;
-    ``gate_absent_unless_named``: a gate missing from a module that never names this word is
-    not in the copy's tree (the releases before it: nothing there can do what the fix undoes),
-    a gate missing from a module that names it is an unknown shape.
-    ``reductions``: buffer-module functions of which at least one must reduce
-    (:attr:`~mfsdp_hotfix.registry.Shape.reduces`) for the fix to be needed; an unknown shape
-    there: unverified.
-    ``defect``: the release defect it repairs (None: a defect of the double buffer).
-    ``limits``: the configurations it covers (``coverage.py`` refuses them where it cannot apply).
-    ``on_failure``: what its failure at runtime does; ``stop_because`` (STOP): what going on
-    would do, for the message.
-    """
-
-    id: str
-    summary: str
-    module: str
-    target: str
-    not_needed: str
-    upstream: str
-    depends_on: tuple[str, ...] = ()
-    only_unguarded: bool = False
-    gate: str | None = None
-    reductions: tuple[str, ...] = ()
-    only_unordered: bool = False  # not needed where the getter and drain form era "none"
-    gate_module: str | None = None
-    gate_shapes: tuple[Shape, ...] = ()
-    gate_absent_unless_named: str = ""
-    defect: ReleaseDefect | None = None
-    limits: tuple[Limit, ...] = ()
-    on_failure: OnFailure = OnFailure.SWITCH_OFF
-    stop_because: str = ""
-
-    def __post_init__(self) -> None:
-        assert self.defect is None or self.defect.fix == self.id, (self.id, self.defect)
-        assert (self.on_failure is OnFailure.STOP) == bool(self.stop_because), self.id
-
-    @property
-    def stopped(self) -> str:
-        """What a STOP fix's failure tells the user: why the step stops, and the way around."""
-        workarounds = " or ".join(self.defect.workarounds) if self.defect else ""
-        return (f"the step is stopped, because going on would {self.stop_because}; "
-                f"workaround: {workarounds}. Please report this with "
-                "`mfsdp-hotfix status --json`")
 
 
 def _zero23_double_buffer(model: object) -> bool:
@@ -371,83 +298,11 @@ CORE_LINEAR_ACCUMULATE = Fix(
     stop_because="let megatron-core's fused linear overwrite the ZeRO-1 gradients of every "
                  "later microbatch",
 )
-EXPERTS_MODULE = "megatron.core.transformer.moe.experts"
-ENSURE_MAIN_GRAD = "TEGroupedMLP._ensure_main_grad"
-EXPERT_UPSTREAM = ("not fixed upstream as of megatron-core 0.19.2 and NVIDIA main d98e8a64dd "
-                   "(NVIDIA/Megatron-LM#6773 does not touch transformer/moe/experts.py)")
-MOE_OP_FUSER_WGRAD_OVERWRITE = ReleaseDefect(
-    "moe-op-fuser-wgrad-overwrite",
-    "expert-accumulate",
-    {"megatron-core": "0.19.0-0.19.2"},
-    "any megatron-core tree whose TEGroupedMLP._ensure_main_grad sets "
-    "param.overwrite_main_grad = True (NVIDIA main as of d98e8a64dd, forks based on those "
-    "releases)",
-    "MoE experts through TransformerEngine's op fuser (--use-transformer-engine-op-fuser "
-    "--moe-grouped-gemm, TransformerEngine >= 2.14, expert tensor-parallel 1, SwiGLU, "
-    "quick-GeGLU or weighted squared-ReLU with its fusion on) with fused wgrad accumulation and "
-    "2 or more microbatches per step, where Megatron-FSDP says to add into main_grad: ZeRO-1 "
-    "(with zero1-accumulate or NVIDIA/Megatron-LM#6357), and ZeRO-2/3 experts whose expert "
-    "data-parallel group has one rank (with single-rank-reduce)",
-    "silently wrong gradients: the experts' fused pre-forward hook sets overwrite_main_grad = "
-    "True on every expert weight after Megatron-FSDP's own hooks have decided it, so "
-    "TransformerEngine's GroupedLinear op overwrites main_grad and the step keeps only the last "
-    "microbatch's expert weight gradients",
-    ("the experts without the op fuser (no --use-transformer-engine-op-fuser)",
-     "ZeRO-2 or ZeRO-3 with an expert data-parallel group of 2 or more ranks",
-     "one microbatch per optimizer step"),
-    EXPERT_UPSTREAM,
-    "",
-)
-
-
-def _op_fused_experts(model: object) -> bool:
-    """Whether the module a built ``MegatronFSDP`` wraps holds a ``TEGroupedMLP`` running
-    through TransformerEngine's op fuser (none where megatron-core's experts are not imported)."""
-    experts = sys.modules.get(EXPERTS_MODULE)
-    grouped = getattr(experts, "TEGroupedMLP", None)
-    return grouped is not None and any(
-        isinstance(child, grouped) and getattr(child, "_with_fused_impl", True)
-        for child in model.module.modules())  # type: ignore[attr-defined]
-
-
-EXPERT_ACCUMULATE = Fix(
-    "expert-accumulate",
-    "MoE experts through TransformerEngine's op fuser keep the overwrite_main_grad Megatron-FSDP "
-    "decided for its parameters: TEGroupedMLP._ensure_main_grad no longer sets it True on them, "
-    "so their fused wgrad adds into main_grad where Megatron-FSDP says to",
-    "expert_accumulate", EXPERTS_MODULE,
-    "no TEGroupedMLP._ensure_main_grad in this copy's tree (a copy outside megatron-core, or a "
-    "release before 0.19 whose experts never name overwrite_main_grad), or it leaves "
-    "overwrite_main_grad alone",
-    EXPERT_UPSTREAM,
-    gate=ENSURE_MAIN_GRAD, gate_module=EXPERTS_MODULE,
-    gate_shapes=(
-        # megatron-core 0.19.0-0.19.2 and NVIDIA main d98e8a64dd: one text.
-        Shape("0.19", "3e5cfbcb62e44febfb3b8eac5094a8078a631b55ff4d792aac9226092cb18980",
-              needs=frozenset({"expert-accumulate"})),
-        Shape("sets overwrite_main_grad = True", structure="always_overwrites_main_grad",
-              needs=frozenset({"expert-accumulate"})),
-        Shape("leaves overwrite_main_grad", structure="leaves_overwrite_main_grad",
-              note="leaves Megatron-FSDP's overwrite_main_grad alone")),
-    gate_absent_unless_named="overwrite_main_grad",
-    defect=MOE_OP_FUSER_WGRAD_OVERWRITE,
-    limits=(Limit("ZeRO-1 (optim), or ZeRO-2/3 with a one-rank gradient group, with MoE "
-                  "experts through TransformerEngine's op fuser (TEGroupedMLP, "
-                  "use_transformer_engine_op_fuser)",
-                  lambda model: ((model.ddp_config.data_parallel_sharding_strategy == "optim"
-                                  or (sharded(model) and has_one_rank_gradient_group(model)))
-                                 and _op_fused_experts(model)),
-                  MOE_OP_FUSER_WGRAD_OVERWRITE.symptom + ", with 2 or more microbatches per step",
-                  " or ".join(MOE_OP_FUSER_WGRAD_OVERWRITE.workarounds)),),
-    on_failure=OnFailure.STOP,
-    stop_because="let the experts' fused wgrad overwrite the gradients of every later "
-                 "microbatch",
-)
 # The double buffer's fixes (the eras); the others repair release defects outside it and rest on
 # none of the double buffer's functions, so they apply to a copy refused for those.
 DOUBLE_BUFFER_FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
 FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE, REDUCE_ONCE, SINGLE_RANK_REDUCE,
-         CORE_LINEAR_ACCUMULATE, EXPERT_ACCUMULATE)
+         CORE_LINEAR_ACCUMULATE, *OUTSIDE_THE_BUFFER)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
 # Every gate: where it is read (``Copy.module``) and its known shapes, the registry's and those a
 # fix declares.

@@ -84,6 +84,7 @@ UNSHARDED_SHARD_ADDED_TO_ITSELF = ReleaseDefect(
                                      and has_one_rank_gradient_group(model))),
                   "", ""),),
 )
+
 # The first releases after those whose one-rank reduction adds the buffer onto itself
 # (megatron-fsdp 0.3.x, megatron-core 0.16), by distribution: from these on one microbatch per
 # step keeps a one-rank buffer right (SINGLE_RANK_GRADS's first workaround) and

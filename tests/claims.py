@@ -222,7 +222,9 @@ VERSIONS = set().union(*RELEASES.values()) | {
 # refs in the clone (refs/pull/N/head, or merged on main); #7001 and #7101 were opened after it
 # was taken (docs/MEGATRON_FSDP_V2.md says so). ROCm/Megatron-LM #146; PyTorch #125484.
 UPSTREAM_PRS = {"#146", "#4054", "#5222", "#5657", "#5865", "#6187", "#6316", "#6317", "#6318",
-                "#6357", "#6665", "#6773", "#7001", "#7101", "#125484"}
+                "#6357", "#6665", "#6773", "#7001", "#7101", "#125484",
+                # issues and PRs read in the issues corpus (RELEASE_DEFECTS.md's second wave)
+                "#4231", "#4232", "#5786", "#5787", "#5789", "#5808", "#5974", "#5976"}
 # Commits: NVIDIA main and the PR heads as the clone has them (d98e8a64dd main, f7b65d4a2e
 # #6316, a932341e12 #6317, aea2db8a7c #6318, 1c2b310fd1 #6665, d732aa1e2e #5657); the others
 # are ROCm/Megatron-LM's.
@@ -1447,6 +1449,14 @@ claim(PR_DOC, "{} of {} runs bit-identical to the serialized run, the audit find
 claim(PR_DOC, "measured {:.3f} and {:.3f} (megatron-fsdp 0.6.1) and {:.3f} (megatron-core 0.19.2)",
       REPORT, lambda t: (perf_ratio(t, "fsdp-0.6.1", "0 ms"), perf_ratio(t, "fsdp-0.6.1", "2.0 ms"),
                          perf_ratio(t, "core-0.19.2", "0 ms")))
+
+# docs/RELEASE_DEFECTS.md, the second wave's measurements: the numbers the tests assert.
+WARM_UP_TEST = "code tests/fixes/test_inert_warm_up.py"
+claim("docs/RELEASE_DEFECTS.md", "{} after two real steps and the first update is {} of plain "
+      "PyTorch's", WARM_UP_TEST,
+      lambda test: (test["SHIPPED_STEP_COUNT"], test["FIRST_UPDATE_RATIO"]))
+claim("docs/RELEASE_DEFECTS.md", "megatron-core 0.17.1 no_shard, {} times the reference",
+      "code tests/real_library/test_no_shard_grad_norm.py", lambda test: (test["SHIPPED_RATIO"],))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -194,7 +194,8 @@ def test_validation_phases_import_the_engine_not_each_other() -> None:
 # only the commands and the entry point know the command line. A new module must be placed here.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("knowledge", ("errors", "states", "registry", "verified_releases", "eras", "limits",
-                   "defects", "fix_catalogue", "release_defects", "gradient_pools", "structure")),
+                   "defects", "fix_type", "fix_catalogue_outside", "fix_catalogue",
+                   "release_defects", "gradient_pools", "structure")),
     ("foundations", ("__about__", "variables", "settings", "versions", "fingerprints",
                      "patching", "incidents", "guard", "happens_before", "compare",
                      "verdict_text")),

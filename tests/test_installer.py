@@ -54,7 +54,9 @@ def test_import_order(fsdp051: Path, order: str) -> None:
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied",
                            "reduce-once": "applied",
-        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed"}
+        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
+        "inert-warm-up": "applied", "root-forward-hooks": "applied",
+        "replicated-grad-stats": "not needed"}
     assert data["status"]["loaded_via"] == "import" and data["status"]["hotfix"] == "active"
 
 
@@ -78,13 +80,17 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply",
-        "single-rank-reduce": "would apply", "core-linear-accumulate": "not needed"}
+        "single-rank-reduce": "would apply", "core-linear-accumulate": "not needed",
+        "inert-warm-up": "would apply", "root-forward-hooks": "would apply",
+        "replicated-grad-stats": "not needed"}
     assert data["status"]["hotfix"] == "active"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied",
                            "reduce-once": "applied",
-        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed"}
+        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
+        "inert-warm-up": "applied", "root-forward-hooks": "applied",
+        "replicated-grad-stats": "not needed"}
 
 
 def test_misspelt_variable_warns_once_at_install(fsdp051: Path) -> None:
@@ -102,7 +108,9 @@ def test_era_c_keeps_its_own_getter(fsdp_release) -> None:
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied",
                            "reduce-once": "applied",
-        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed"}
+        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
+        "inert-warm-up": "applied", "root-forward-hooks": "not needed",
+        "replicated-grad-stats": "not needed"}
 
 
 def test_both_copies_in_one_process(fsdp051: Path) -> None:
@@ -128,7 +136,9 @@ print("REPORT" + __import__("json").dumps({"status": mfsdp_hotfix.status(),
                                                  "missed-post-backward": "not needed",
                                                  "zero1-accumulate": "applied",
                                                  "reduce-once": "applied",
-        "single-rank-reduce": "applied", "core-linear-accumulate": "applied"}
+        "single-rank-reduce": "applied", "core-linear-accumulate": "applied",
+        "inert-warm-up": "not needed", "root-forward-hooks": "applied",
+        "replicated-grad-stats": "applied"}
 
 
 def registry_vendored() -> str:
@@ -195,7 +205,9 @@ def test_disabled_fix_is_reported(fsdp051: Path) -> None:
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied",
                            "reduce-once": "applied",
-        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed"}
+        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
+        "inert-warm-up": "applied", "root-forward-hooks": "applied",
+        "replicated-grad-stats": "not needed"}
 
 
 @pytest.fixture
@@ -221,12 +233,15 @@ def test_refused_copy_warns_once_and_keeps_only_the_fixes_that_rest_on_none_of_i
     assert fixes(data) == {"getter-guard": "refused", "ordered-drain": "refused",
                            "missed-post-backward": "not needed",
                            "zero1-accumulate": "applied", "reduce-once": "applied",
-        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed"}
+        "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
+        "inert-warm-up": "applied", "root-forward-hooks": "applied",
+        "replicated-grad-stats": "not needed"}
     (copy,) = data["status"]["copies"]
     assert copy["refused"] is True
     assert [(d["name"], d["repaired"]) for d in copy["release_defects"]] == [
         ("zero1-fused-wgrad-overwrite", True), ("unsharded-grads-reduced-twice", True),
-        ("single-rank-grads-reduced-every-microbatch", True)]
+        ("single-rank-grads-reduced-every-microbatch", True), ("optimizer-warm-up-step", True),
+        ("root-parameters-not-gathered", True)]
     assert proc.stderr.count("NOT patching megatron-fsdp") == 1
     assert "run with fsdp_double_buffer=False to avoid the double-buffer gradient bugs (ZeRO-2/3)" \
         in proc.stderr
@@ -368,12 +383,14 @@ def test_a_refused_copy_keeps_and_names_the_fixes_that_rest_on_none_of_it(
     assert fixes(data) == {"getter-guard": "refused", "ordered-drain": "refused",
                            "missed-post-backward": "applied", "zero1-accumulate": "applied",
                            "reduce-once": "not needed", "single-rank-reduce": "applied",
-                           "core-linear-accumulate": "not needed"}
+                           "core-linear-accumulate": "not needed",
+                           "expert-accumulate": "not needed", "inert-warm-up": "not needed",
+                           "root-forward-hooks": "applied", "replicated-grad-stats": "not needed"}
     line = "\n".join(data["status"]["verdict"]["details"])
     assert line.startswith("why: getter-guard, ordered-drain left as shipped (unrecognised code "
                            "shape in _enforce_double_buffer_limit"), line
     assert ("; the hotfix still applies missed-post-backward, zero1-accumulate, "
-            "single-rank-reduce; ") in line
+            "single-rank-reduce, root-forward-hooks; ") in line
     assert ("\ninstead: use fsdp_double_buffer=False\ninstead: for sharded-grads-summed-unscaled "
             "use calculate_per_token_loss=True (the release scales nothing; the loss carries the "
             "normalisation)\n") in line, line

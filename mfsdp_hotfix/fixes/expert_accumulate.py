@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from .. import guard
-from ..fix_catalogue import EXPERT_ACCUMULATE
+from ..fix_catalogue_outside import EXPERT_ACCUMULATE
 from ..patching import Undo, wrap_static_method
 
 OWNER = "TEGroupedMLP"

@@ -30,6 +30,7 @@ from mfsdp_hotfix import (
     coverage,
     detection,
     fix_catalogue,
+    fix_catalogue_outside,
     incidents,
     installer,
     registry,
@@ -40,8 +41,8 @@ from mfsdp_hotfix.fixes import expert_accumulate
 from mfsdp_hotfix.structure import expert_main_grad, overwrite_setter
 
 STANDALONE, VENDORED = registry.COPIES
-FIX = fix_catalogue.EXPERT_ACCUMULATE
-GATE = fix_catalogue.ENSURE_MAIN_GRAD
+FIX = fix_catalogue_outside.EXPERT_ACCUMULATE
+GATE = fix_catalogue_outside.ENSURE_MAIN_GRAD
 NEEDS = ("0.19.0", "0.19.1", "0.19.2")
 # Their experts.py never names overwrite_main_grad (0.18 has the op fuser, without that line).
 BEFORE = ("0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.0", "0.18.2")
@@ -65,7 +66,7 @@ def test_releases_that_set_overwrite_main_grad_need_the_fix(version: str) -> Non
     assert shape is not None and shape.name == "0.19"
     assert found.matched_by[GATE] == detection.FINGERPRINT
     assert found.needs(FIX) and _state(found) == installer.WOULD_APPLY
-    assert fix_catalogue.MOE_OP_FUSER_WGRAD_OVERWRITE in release_defects.defects_of(
+    assert fix_catalogue_outside.MOE_OP_FUSER_WGRAD_OVERWRITE in release_defects.defects_of(
         {FIX.id: "would apply"})
 
 
@@ -247,9 +248,9 @@ def test_the_limit_is_zero1_or_one_rank_groups_with_op_fused_experts(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A stand-in experts module (a class named as megatron-core's) in ``sys.modules``: the
     limit reads which classes the model holds, nothing of TransformerEngine."""
-    experts = ModuleType(fix_catalogue.EXPERTS_MODULE)
+    experts = ModuleType(fix_catalogue_outside.EXPERTS_MODULE)
     experts.TEGroupedMLP = type("TEGroupedMLP", (), {})  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, fix_catalogue.EXPERTS_MODULE, experts)
+    monkeypatch.setitem(sys.modules, fix_catalogue_outside.EXPERTS_MODULE, experts)
     (limit,) = [limit for limit in coverage.LIMITS if limit.fix == FIX.id]
     assert limit.matches(_model("optim", True, experts.TEGroupedMLP))
     assert not limit.matches(_model("optim", False, experts.TEGroupedMLP))
