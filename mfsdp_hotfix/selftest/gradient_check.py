@@ -61,7 +61,7 @@ def reference_gradients(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any
     from mfsdp_hotfix.selftest import model as model_lib
 
     ref = model_lib.build(spec.hidden, spec.units, spec.seed, "plain", dtype, spec.wide_units,
-                          spec.experts)
+                          spec.experts, spec.norm, spec.outside, spec.head)
     ranks = inputs.shape[2]
     once = accumulation.reduces_once(spec.protocol, spec.strategy, spec.outer)
     out: list[dict[str, Any]] = []

@@ -110,6 +110,10 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "zero1-expert": {"strategy": "optim", "experts": 2},
     "zero2-expert": {"strategy": "optim_grads", "experts": 2},
     "zero3-expert": {"strategy": "optim_grads_params", "experts": 2},
+    # HSDP on two ranks: DP-Outer 2 x a DP-Shard group of one rank
+    "hsdp1-no_shard": {"strategy": "no_shard", "world": 2, "outer": 2},
+    "hsdp1-zero1": {"strategy": "optim", "world": 2, "outer": 2},
+    "hsdp1-zero3": {"strategy": "optim_grads_params", "world": 2, "outer": 2},
 }
 
 
@@ -124,21 +128,34 @@ class Case:
     grad_comm_dtype: str | None = None
     overlap_grad_reduce: bool = True
     hotfix: str = "off"
+    # the model's layout and the double buffer (the grid keeps the defaults; the never-worse
+    # search, search.py, draws them): CaseSpec's fields of the same names
+    double_buffer: bool = False
+    units: int = 6
+    norm: str = "pre"
+    outside: str = ""
+    head: bool = True
 
     @property
     def id(self) -> str:
         bits = [self.release, self.layout, self.protocol, self.linear, self.grad_reduce,
                 f"{self.microbatches}mb"] + ([self.grad_comm_dtype] if self.grad_comm_dtype
                                              else [])
-        bits += ([] if self.overlap_grad_reduce else ["no-overlap"]) + (
-            [] if self.hotfix == "off" else [f"hotfix-{self.hotfix}"])
+        bits += ([] if self.overlap_grad_reduce else ["no-overlap"])
+        bits += (["double-buffer"] if self.double_buffer else []) + (
+            [f"{self.units}units"] if self.units != 6 else []) + (
+            [f"{self.norm}-norm"] if self.norm != "pre" else []) + (
+            [f"outside-{self.outside}"] if self.outside else []) + (
+            [] if self.head else ["no-head"])
+        bits += [] if self.hotfix == "off" else [f"hotfix-{self.hotfix}"]
         return "/".join(bits)
 
     def spec(self) -> CaseSpec:
         path = (releases.git_tree(self.release[4:]) if self.release.startswith("git:")
                 else releases.unpacked("megatron-fsdp", self.release))
         return CaseSpec(flavour="standalone", path=str(path) if path else None,
-                        hotfix=self.hotfix, double_buffer=False, units=6,
+                        hotfix=self.hotfix, double_buffer=self.double_buffer, units=self.units,
+                        norm=self.norm, outside=self.outside, head=self.head,
                         protocol=self.protocol, linear=self.linear,
                         grad_reduce=self.grad_reduce, microbatches=self.microbatches,
                         grad_comm_dtype=self.grad_comm_dtype,
