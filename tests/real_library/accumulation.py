@@ -28,7 +28,7 @@ its cause:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import releases
@@ -411,8 +411,10 @@ def outcome(run: dict[str, Any]) -> str:
     return "crashed"
 
 
-def measure(case: Case) -> dict[str, Any]:
-    result = run_case(case.spec())
+def measure(case: Case, timeout_s: float | None = None) -> dict[str, Any]:
+    """One run of ``case`` as recorded (``timeout_s``: a case's limit other than the spec's)."""
+    spec = case.spec()
+    result = run_case(spec if timeout_s is None else replace(spec, timeout_s=timeout_s))
     fused = [name for name in result.worst_grads if ".fc" in name]
     run = {"crashed": result.crashed, "exception": (result.exception or "")[:600] or None,
            "max_abs_grad_error": significant(result.max_abs_grad_error),

@@ -46,6 +46,8 @@ RELEASES = ("0.6.1", "0.6.1", "0.5.1", "0.4.0", "0.4.0", "0.3.1", "0.2.3")
 LAYOUTS = tuple(acc.STRATEGIES)
 GRAD_REDUCES = ("scale-then-sum", "per-token", "premul-sum")
 CI_SEEDS = (3, 11, 20)
+# A case's limit: a hang (a collective one rank never joins) ends there as a crash.
+TIMEOUT_S = 120.0
 VALIDATION_SEEDS = tuple(range(100))
 
 # How a configuration ends (:func:`verdict`)
@@ -97,8 +99,8 @@ def measure(seed: int, shipped_run: dict[str, Any] | None = None) -> dict[str, A
     hotfix plays no part in it)."""
     shipped, fixed = pair(seed)
     row = {"seed": seed, "id": shipped.id,
-           "shipped": shipped_run or _without_case(acc.measure(shipped)),
-           "hotfix": _without_case(acc.measure(fixed))}
+           "shipped": shipped_run or _without_case(acc.measure(shipped, TIMEOUT_S)),
+           "hotfix": _without_case(acc.measure(fixed, TIMEOUT_S))}
     row["verdict"] = verdict(row["shipped"], row["hotfix"])
     return row
 
