@@ -104,6 +104,17 @@ def _scales_before_summing_a_shard(model: Any) -> bool:
     return False
 
 
+def root_hooks_matter(model: Any) -> bool:
+    """Whether the root module of ``model`` (a built ``MegatronFSDP``) owns parameters, or its
+    module registered last has parameters (so may not be the last to run in forward): where the
+    release's root pre-backward hook, hung on that module, can fire in the middle of
+    backward."""
+    root = model.module
+    last = list(root.modules())[-1]
+    return any(True for _ in root.parameters(recurse=False)) or any(
+        True for _ in last.parameters())
+
+
 def _without_overlap(strategy: str) -> Callable[[Any], bool]:
     return lambda model: (model.ddp_config.data_parallel_sharding_strategy == strategy
                           and not model.ddp_config.overlap_grad_reduce)
@@ -197,6 +208,12 @@ LIMITS = (
           release_defects.UNSHARDED_SHARD_ADDED_TO_ITSELF.symptom,
           " or ".join(release_defects.UNSHARDED_SHARD_ADDED_TO_ITSELF.workarounds),
           defect=release_defects.UNSHARDED_SHARD_ADDED_TO_ITSELF),
+    Limit(fix_catalogue.ROOT_FORWARD_HOOKS.id,
+          "a root module that owns parameters, or whose module registered last has parameters "
+          "(it may not be the last to run in forward)",
+          root_hooks_matter,
+          release_defects.ROOT_HOOKS_SKIPPED.symptom,
+          " or ".join(release_defects.ROOT_HOOKS_SKIPPED.workarounds)),
     Limit(fix_catalogue.CORE_LINEAR_ACCUMULATE.id,
           "ZeRO-1 (optim), or ZeRO-2/3 with a one-rank gradient group, with megatron-core's "
           "own linear layers (ColumnParallelLinear, RowParallelLinear) and "

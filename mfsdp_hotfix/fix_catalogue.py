@@ -16,6 +16,7 @@ from .registry import (
     HOOKS,
     OVERWRITE_SETTER,
     REDUCE_SCATTER,
+    ROOT_FORWARD,
     WAIT,
     Shape,
 )
@@ -117,11 +118,21 @@ CORE_LINEAR_ACCUMULATE = Fix(
     "unless overwrite_main_grad' (mfsdp-hotfix upstream/core_linear.patch)",
     gate=CORE_LINEAR_BACKWARD,
 )
+ROOT_FORWARD_HOOKS = Fix(
+    "root-forward-hooks",
+    "MegatronFSDP.forward calls the root module through its hooks, so the parameters the root "
+    "owns are gathered before its forward and the root pre-backward hook fires first in "
+    "backward, not when the module registered last runs backward",
+    (), False,
+    "NVIDIA/Megatron-LM#5808 (for #5789), first released in megatron-core 0.19.0 / "
+    "megatron-fsdp 0.6.0",
+    gate=ROOT_FORWARD,
+)
 # The double buffer's fixes (the eras); the others repair release defects outside it and rest on
 # none of the double buffer's functions, so they apply to a copy refused for those.
 DOUBLE_BUFFER_FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
 FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE, REDUCE_ONCE, SINGLE_RANK_REDUCE,
-         CORE_LINEAR_ACCUMULATE)
+         CORE_LINEAR_ACCUMULATE, ROOT_FORWARD_HOOKS)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
 
 

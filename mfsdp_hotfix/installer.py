@@ -53,7 +53,8 @@ _FIX_TARGET = {fix_catalogue.GETTER_GUARD.id: ("getter_guard", "model_module"),
                fix_catalogue.REDUCE_ONCE.id: ("reduce_once", "buffer_module"),
                fix_catalogue.SINGLE_RANK_REDUCE.id: ("single_rank_reduce", "model_module"),
                fix_catalogue.CORE_LINEAR_ACCUMULATE.id: ("core_linear_accumulate",
-                                                         "core_linear_module")}
+                                                         "core_linear_module"),
+               fix_catalogue.ROOT_FORWARD_HOOKS.id: ("root_forward_hooks", "model_module")}
 _NOT_NEEDED = {fix_catalogue.GETTER_GUARD.id: "its main_grad_getter already drains before it "
                                               "allocates, as NVIDIA/Megatron-LM#5222 and "
                                               "ROCm/Megatron-LM#146 do",
@@ -80,7 +81,10 @@ _NOT_NEEDED = {fix_catalogue.GETTER_GUARD.id: "its main_grad_getter already drai
                                                         "this copy's tree (megatron-core's own "
                                                         "copy carries the fix), or its "
                                                         "Megatron-FSDP wgrad reads "
-                                                        "overwrite_main_grad"}
+                                                        "overwrite_main_grad",
+               fix_catalogue.ROOT_FORWARD_HOOKS.id: "its MegatronFSDP.forward calls the root "
+                                                    "module through its hooks "
+                                                    "(NVIDIA/Megatron-LM#5808)"}
 REFUSED = "refused"
 # The incident (:mod:`incidents`) of an import hook that raised: the copy may be left unpatched.
 INSTALL_FAILURE = "install"

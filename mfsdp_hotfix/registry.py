@@ -69,7 +69,9 @@ HOOKS = "MegatronFSDP._register_fsdp_hooks"
 # ``overwrite_main_grad`` (after its all-gather), which decides whether fused wgrad accumulation
 # overwrites or adds into ``main_grad``.
 OVERWRITE_SETTER = "MegatronFSDP.all_gather_and_wait_parameters_ready"
-GATES = (HOOKS, OVERWRITE_SETTER)
+# Calls the wrapped root module: past its hooks (``self.module.forward``) or through them.
+ROOT_FORWARD = "MegatronFSDP.forward"
+GATES = (HOOKS, OVERWRITE_SETTER, ROOT_FORWARD)
 # In the buffer module: the synchronous reductions ``finish_grad_sync`` runs without
 # ``overlap_grad_reduce``, per unsharded strategy. Read to decide reduce-once's need: where one
 # reduces nothing (its loop skips every buffer), the hooks' reduction is that strategy's only one.
@@ -216,6 +218,16 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
               note="sets overwrite_main_grad from the parameter's strategy, not always True"),
     ),
 }
+
+# megatron-fsdp 0.1.0-0.5.1 / megatron-core 0.14-0.18 call ``self.module.forward(...)``, past the
+# hooks registered on the root module; 0.6.0 / 0.19.0 call ``self.module(...)``
+# (NVIDIA/Megatron-LM#5808).
+SHAPES[ROOT_FORWARD] = (
+    Shape("0.14", "f8429a53bd8e0357dfbbbc7775f24000af02638f0387024f887d0123a4f81ac7",
+          needs=frozenset({"root-forward-hooks"})),
+    Shape("0.19", "cf59d8b762cca4bac814453d482817c4b17f3eefc715b1df46a1f92b3e12959d",
+          note="calls the root module through its hooks"),
+)
 
 SHAPES.update({qualname: (
     Shape("reduces every buffer", structure="reduces_every_buffer", reduces=True),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from .fix_catalogue import (
     CORE_LINEAR_ACCUMULATE,
     REDUCE_ONCE,
+    ROOT_FORWARD_HOOKS,
     SINGLE_RANK_REDUCE,
     ZERO1_ACCUMULATE,
 )
@@ -192,6 +193,30 @@ UNSHARDED_SHARD_ADDED_TO_ITSELF = ReleaseDefect(
     "(UnsupportedConfiguration) while the hotfix is loaded",
     carrier=BUCKET_REDUCE,
 )
+ROOT_HOOKS_SKIPPED = ReleaseDefect(
+    "root-hooks-skipped",
+    ROOT_FORWARD_HOOKS.id,
+    {"megatron-fsdp": "0.1.0-0.5.1", "megatron-core": "0.14.0-0.18.2"},
+    "any copy whose MegatronFSDP.forward calls self.module.forward(...) (git installs of NVIDIA "
+    "main before NVIDIA/Megatron-LM#5808, forks based on those releases)",
+    "a model whose module registered last is not the last to run in forward: no "
+    "parameter-free module registered after everything else, e.g. a model ending in a pre-norm "
+    "block, or a root-level linear or norm outside every FSDP unit registered after the units "
+    "but run before them; and, with ZeRO-3, a root module that owns parameters itself; any "
+    "strategy, number of ranks and microbatches",
+    "the root pre-backward hook, hung on the module registered last instead of the root, fires "
+    "in the middle of backward and marks every gradient as still to be handled: the gradients "
+    "of the modules that ran backward before it are handled and reduced again (silently wrong "
+    "gradients, e.g. 0.18 off on a 2-unit ZeRO-3 model; 'Found 2 out of 3 parameters ... "
+    "pipeline is being reset'; gloo timeouts; with the double buffer unzeroed slot contents or "
+    "'No buffer found for bucket_id'); with ZeRO-3 the root's own parameters are used "
+    "ungathered (SIGSEGV)",
+    ("register a parameter-free module last, run last (e.g. an nn.Identity head applied to "
+     "the output), and keep no parameter on the root module itself",
+     "megatron-fsdp >= 0.6.0 / megatron-core >= 0.19.0"),
+    ROOT_FORWARD_HOOKS.upstream,
+    "nothing known",
+)
 # The first releases after those whose one-rank reduction adds the buffer onto itself
 # (megatron-fsdp 0.3.x, megatron-core 0.16), by distribution: from these on one microbatch per
 # step keeps a one-rank buffer right (SINGLE_RANK_GRADS's first workaround) and
@@ -200,7 +225,7 @@ UNSHARDED_SHARD_ADDED_TO_ITSELF = ReleaseDefect(
 SINGLE_RANK_NO_SELF_ADD_FROM = {"megatron-fsdp": "0.4.0", "megatron-core": "0.17.0"}
 RELEASE_DEFECTS = (ZERO1_FUSED_WGRAD_OVERWRITE, UNSHARDED_GRADS_REDUCED_TWICE, SINGLE_RANK_GRADS,
                    CORE_LINEAR_FUSED_WGRAD_OVERWRITE, SHARDED_GRADS_SUMMED_UNSCALED,
-                   UNSHARDED_SHARD_ADDED_TO_ITSELF)
+                   UNSHARDED_SHARD_ADDED_TO_ITSELF, ROOT_HOOKS_SKIPPED)
 
 
 def defects_of(fixes: Mapping[str, str],
