@@ -120,12 +120,29 @@ def _without_overlap(strategy: str) -> Callable[[Any], bool]:
                           and not model.ddp_config.overlap_grad_reduce)
 
 
+def replicated_over_outer_group(model: Any) -> bool:
+    """HSDP: a DP-Outer group of 2 or more ranks, replicated over it."""
+    return bool(model.dist_index.use_hybrid_fsdp
+                and model.ddp_config.outer_dp_sharding_strategy == "no_shard"
+                and model.dist_index.get_outer_fsdp_group().size() > 1)
+
+
+def _summed_over_one_shard_rank(model: Any) -> bool:
+    """Every gradient buffer is reduced over a DP-Shard group of one rank, unscaled (a SUM:
+    calculate_per_token_loss): a second reduction there changes nothing."""
+    groups = [group for group in model.param_and_grad_buffer.parameter_groups
+              if group.main_grad_buffer is not None]
+    return all(group.main_grad_buffer.data_parallel_group.size() == 1
+               and group.main_grad_buffer.gradient_scaling_factor is None for group in groups)
+
+
 def _hsdp_without_overlap(strategy: str) -> Callable[[Any], bool]:
-    """HSDP (a DP-Outer group of 2 or more ranks, replicated over it) with ``strategy`` and
-    ``overlap_grad_reduce=False``."""
-    return lambda model: (_without_overlap(strategy)(model) and model.dist_index.use_hybrid_fsdp
-                          and model.ddp_config.outer_dp_sharding_strategy == "no_shard"
-                          and model.dist_index.get_outer_fsdp_group().size() > 1)
+    """HSDP (:func:`replicated_over_outer_group`) with ``strategy`` and
+    ``overlap_grad_reduce=False``, but where the release's second reduction, over a DP-Shard
+    group of one rank and unscaled, changes nothing (the hooks' reduction, which carries the
+    DP-Outer all-reduce, is then right as shipped; reduce-once leaves it under HSDP)."""
+    return lambda model: (_without_overlap(strategy)(model) and replicated_over_outer_group(model)
+                          and not _summed_over_one_shard_rank(model))
 
 
 _UNSHARDED = {"optim": "ZeRO-1 (optim)", "no_shard": "no_shard"}
