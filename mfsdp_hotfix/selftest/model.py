@@ -302,9 +302,9 @@ def build(hidden: int, units: int, seed: int, linear: str = "emulated",
           norm: str = "pre", outside: str = "", head: bool = True) -> Stack:
     """Same seed, same weights: the FSDP ranks and the reference all start from this.
     ``experts``: that many units, the last ones, hold their MLP as :class:`Experts`;
-    ``norm``, ``outside``, ``head``: the layout (:data:`NORMS`, :data:`OUTSIDE_PARTS`). The parameters outside
-    the units are set last, from a generator of their own, so that every other weight is the
-    same with them or without."""
+    ``norm``, ``outside``, ``head``: the layout (:data:`NORMS`, :data:`OUTSIDE_PARTS`). The
+    parameters outside the units are set last, from a generator of their own, so that every
+    other weight is the same with them or without."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
