@@ -128,11 +128,20 @@ ROOT_FORWARD_HOOKS = Fix(
     "megatron-fsdp 0.6.0",
     gate=ROOT_FORWARD,
 )
+AUTO_SYNC_STOP = Fix(
+    "auto-sync-stop",
+    "with model auto-sync (sync_model_each_microbatch=True) and a gradient buffer reduced in "
+    "place (ZeRO-1 or no_shard over 2 or more ranks, HSDP), a second microbatch before "
+    "zero_grad_buffer stops the step instead of reducing the reduced sum again",
+    (), False,
+    "not fixed upstream as of megatron-core 0.19.2 / megatron-fsdp 0.6.1 and NVIDIA main: the "
+    "release warns that the buffer must be zeroed every microbatch",
+)
 # The double buffer's fixes (the eras); the others repair release defects outside it and rest on
 # none of the double buffer's functions, so they apply to a copy refused for those.
 DOUBLE_BUFFER_FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
 FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE, REDUCE_ONCE, SINGLE_RANK_REDUCE,
-         CORE_LINEAR_ACCUMULATE, ROOT_FORWARD_HOOKS)
+         CORE_LINEAR_ACCUMULATE, ROOT_FORWARD_HOOKS, AUTO_SYNC_STOP)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
 
 

@@ -54,7 +54,8 @@ _FIX_TARGET = {fix_catalogue.GETTER_GUARD.id: ("getter_guard", "model_module"),
                fix_catalogue.SINGLE_RANK_REDUCE.id: ("single_rank_reduce", "model_module"),
                fix_catalogue.CORE_LINEAR_ACCUMULATE.id: ("core_linear_accumulate",
                                                          "core_linear_module"),
-               fix_catalogue.ROOT_FORWARD_HOOKS.id: ("root_forward_hooks", "model_module")}
+               fix_catalogue.ROOT_FORWARD_HOOKS.id: ("root_forward_hooks", "model_module"),
+               fix_catalogue.AUTO_SYNC_STOP.id: ("auto_sync_stop", "model_module")}
 _NOT_NEEDED = {fix_catalogue.GETTER_GUARD.id: "its main_grad_getter already drains before it "
                                               "allocates, as NVIDIA/Megatron-LM#5222 and "
                                               "ROCm/Megatron-LM#146 do",
@@ -84,7 +85,8 @@ _NOT_NEEDED = {fix_catalogue.GETTER_GUARD.id: "its main_grad_getter already drai
                                                         "overwrite_main_grad",
                fix_catalogue.ROOT_FORWARD_HOOKS.id: "its MegatronFSDP.forward calls the root "
                                                     "module through its hooks "
-                                                    "(NVIDIA/Megatron-LM#5808)"}
+                                                    "(NVIDIA/Megatron-LM#5808)",
+               fix_catalogue.AUTO_SYNC_STOP.id: "never: every release reduces in place"}
 REFUSED = "refused"
 # The incident (:mod:`incidents`) of an import hook that raised: the copy may be left unpatched.
 INSTALL_FAILURE = "install"
