@@ -14,13 +14,12 @@ from . import trigger, variables
 # where ``site`` executes it; it opts out on MFSDP_HOTFIX_BOOTSTRAP=0 before importing anything.
 PTH_NAME = "mfsdp_hotfix.pth"
 SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "sitecustomize")
-_BOOTSTRAP_VALUES = {"", "1", "on", "true", "yes", "0", "off", "false", "no"}
 
 
 def start(source: str) -> None:
     """Arm the hotfix for this interpreter; ``source`` is ``pth`` or ``sitecustomize``."""
     raw = os.environ.get(variables.BOOTSTRAP, "")
-    if raw.strip().lower() not in _BOOTSTRAP_VALUES:
+    if variables.switch(raw) is None:
         import sys
 
         sys.stderr.write(f"mfsdp_hotfix: {variables.BOOTSTRAP}={raw!r} is not understood "

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import import_module
 
 from .__about__ import __version__
-from .commands import Command, audit, bootstrap_path, run, selftest, status
+from .commands import Command
 from .commands.exits import BROKEN_PIPE, USAGE_ERROR
 from .commands.output import quiet_stdout
 
@@ -20,8 +21,33 @@ DESCRIPTION = ("Runtime repair of Megatron-FSDP's gradient double-buffer race. '
                "'bootstrap-path' work without torch; 'selftest' needs torch and a Megatron-FSDP "
                "copy; 'run' starts a command with the hotfix loaded in every Python process; "
                "'audit' does the same with the on-the-job audit on and summarises it.")
-# In the order ``--help`` lists them; ``help`` follows, as the parser's own.
-COMMANDS: tuple[Command, ...] = (status, selftest, run, audit, bootstrap_path)
+# Each command's name -> its module in ``commands/``, in the order ``--help`` lists them; ``help``
+# follows, as the parser's own. As pip's ``commands_dict``: a command's module (and what it
+# imports: ``status`` reads every layer of the package) is imported only where that command runs
+# or its help is shown, so ``mfsdp-hotfix run`` imports none of the others.
+COMMANDS = {"status": "status", "selftest": "selftest", "run": "run", "audit": "audit",
+            "bootstrap-path": "bootstrap_path"}
+HELP = "help"
+
+
+def load(name: str) -> Command:
+    """The module of command ``name`` (a key of :data:`COMMANDS`)."""
+    command: Command = import_module(f"{__package__}.commands.{COMMANDS[name]}")
+    return command
+
+
+def _needed(argv: list[str]) -> list[str]:
+    """The commands whose module this command line needs: the one it names (and, for ``help
+    COMMAND``, that one); every one where it names none, or asks for the list of commands."""
+    words = [word for word in argv if word != "--"]
+    first = next((i for i, word in enumerate(words) if not word.startswith("-")), None)
+    if first is None or words[first] not in (*COMMANDS, HELP) or any(
+            word in ("-h", "--help") for word in words[:first]):
+        return list(COMMANDS)
+    if words[first] != HELP:
+        return [words[first]]
+    topic = words[first + 1:first + 2]
+    return topic if topic and topic[0] in COMMANDS else list(COMMANDS)
 
 
 class _CommandListFormatter(argparse.HelpFormatter):
@@ -55,11 +81,18 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--version", action="version", version=f"mfsdp-hotfix {__version__}",
                         help="print the version and exit")
     commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
-    for command in COMMANDS:
+    argv = sys.argv[1:] if argv is None else argv
+    needed = _needed(argv)
+    loaded = {}
+    for name in COMMANDS:
+        if name not in needed:  # never shown: the list of commands loads them all
+            commands.add_parser(name)
+            continue
+        command = loaded[name] = load(name)
         command.add_arguments(commands.add_parser(command.NAME, help=command.HELP,
                                                   usage=command.USAGE,
                                                   description=command.DESCRIPTION))
-    guide = commands.add_parser("help", help="print the commands, or one command's help",
+    guide = commands.add_parser(HELP, help="print the commands, or one command's help",
                                 usage="mfsdp-hotfix help [COMMAND]",
                                 description="Print the list of commands, or with COMMAND that "
                                             "command's options (as 'mfsdp-hotfix COMMAND "
@@ -75,8 +108,7 @@ def _main(argv: list[str] | None) -> int:
         sys.stderr.write(parser.format_help())
         parser.exit(USAGE_ERROR, "mfsdp-hotfix: error: name a COMMAND (see above; 'mfsdp-hotfix "
                                  "help COMMAND' shows its options)\n")
-    if args.command == "help":
+    if args.command == HELP:
         print((commands.choices[args.topic] if args.topic else parser).format_help(), end="")
         return 0
-    command = next(command for command in COMMANDS if command.NAME == args.command)
-    return command.run(args, commands.choices[args.command])
+    return loaded[args.command].run(args, commands.choices[args.command])

@@ -17,15 +17,12 @@ from datetime import timedelta
 from typing import Any
 
 from . import incidents
+from .errors import RankMismatch as RankMismatch
 from .settings import CROSS_RANK_CHECK, Settings
 
 log = logging.getLogger("mfsdp_hotfix")
 
 _builds = itertools.count()
-
-
-class RankMismatch(RuntimeError):
-    """Ranks of one job run differently patched Megatron-FSDP code."""
 
 
 def check(fingerprint: dict[str, Any], settings: Settings) -> None:

@@ -97,8 +97,7 @@ def detect_module(copy: Copy, buffer_module: ModuleType) -> Detection:
 
     sources, problems = _sources(source)
     sources.update(_reduction_sources(source))
-    sources.update(_gate_sources(buffer_file))
-    sources.update(_core_linear_sources(copy, buffer_file))
+    sources.update(_gate_sources(copy, buffer_file))
     found = _classify(copy, str(buffer_file.parent), sources, problems)
     return _with_pool_size(found, lambda: fingerprints.source_of(
         _resolve(buffer_module, registry.POOL_BUILDER)))
@@ -113,8 +112,7 @@ def detect_file(copy: Copy, buffer_file: Path, installed: bool = True) -> Detect
         return _classify(copy, str(buffer_file.parent), {}, [str(exc)], installed)
     sources, problems = _sources(tree.source)
     sources.update(_reduction_sources(tree.source))
-    sources.update(_gate_sources(buffer_file))
-    sources.update(_core_linear_sources(copy, buffer_file))
+    sources.update(_gate_sources(copy, buffer_file))
     found = _classify(copy, str(buffer_file.parent), sources, problems, installed)
     return _with_pool_size(found, lambda: tree.source(registry.POOL_BUILDER))
 
@@ -141,10 +139,10 @@ def find_installed(copy: Copy, search_path: list[str] | None = None) -> Path | N
 def match(qualname: str, source: str) -> tuple[Shape | None, str | None]:
     """The registry's shape of one function's source, and how it was recognised."""
     printed = fingerprints.fp_code(source)
-    for shape in registry.SHAPES[qualname]:
+    for shape in fix_catalogue.SHAPES[qualname]:
         if shape.fingerprint == printed:
             return shape, FINGERPRINT
-    for shape in registry.SHAPES[qualname]:
+    for shape in fix_catalogue.SHAPES[qualname]:
         if shape.structure and structure.RECOGNISERS[shape.structure](source):
             return shape, STRUCTURE
     return None, None
@@ -266,38 +264,31 @@ def _reduction_sources(source: Callable[[str], str]) -> dict[str, str | None]:
     return sources
 
 
-def _gate_sources(buffer_file: Path) -> dict[str, str | None]:
-    """The gates' sources, parsed (not imported: the buffer module's hook runs before the model
-    module exists) from ``megatron_fsdp.py`` beside the buffer module; None where absent."""
-    try:
-        tree = fingerprints.parse_file(buffer_file.with_name("megatron_fsdp.py"))
-    except fingerprints.SourceUnavailable:
-        return dict.fromkeys(registry.GATES)
+def _gate_sources(copy: Copy, buffer_file: Path) -> dict[str, str | None]:
+    """The gates' sources (:data:`fix_catalogue.GATE_MODULES`), parsed, not imported (the buffer
+    module's hook runs before the model module exists). A gate in the copy's own package: None
+    where its file or function cannot be read. A gate in megatron-core outside Megatron-FSDP:
+    nothing (not in this copy's tree) for a copy outside megatron-core or a tree without that
+    package; None where the package is there but the function cannot be read. A gate missing
+    from a module that never names its fix's ``gate_absent_unless_named``: nothing."""
+    root = Path(_sys_path_entry(copy, str(buffer_file.parent)))
     sources: dict[str, str | None] = {}
-    for qualname in registry.GATES:
+    for qualname, where in fix_catalogue.GATE_MODULES.items():
+        module = copy.module(where)
+        if module is None:
+            continue
+        path = Path(root, *module.split(".")).with_suffix(".py")
+        if not where.startswith(".") and not path.parent.is_dir():
+            continue
         try:
-            sources[qualname] = tree.source(qualname)
+            sources[qualname] = fingerprints.parse_file(path).source(qualname)
         except KeyError:
+            word = fix_catalogue.GATE_ABSENT_UNLESS_NAMED.get(qualname)
+            if word is None or word in path.read_text(errors="replace"):
+                sources[qualname] = None
+        except fingerprints.SourceUnavailable:
             sources[qualname] = None
     return sources
-
-
-def _core_linear_sources(copy: Copy, buffer_file: Path) -> dict[str, str | None]:
-    """megatron-core's fused linear backward (:data:`registry.CORE_LINEAR_BACKWARD`), parsed from
-    the megatron-core tree the copy is vendored in. Nothing (the function is not in this copy's
-    tree) for a copy outside megatron-core or a tree without ``megatron/core/tensor_parallel``;
-    None where that package is there but the function cannot be read."""
-    if copy.core_linear_module is None:
-        return {}
-    root = Path(_sys_path_entry(copy, str(buffer_file.parent)))
-    layers = Path(root, *copy.core_linear_module.split(".")).with_suffix(".py")
-    if not layers.parent.is_dir():
-        return {}
-    try:
-        return {registry.CORE_LINEAR_BACKWARD:
-                fingerprints.parse_file(layers).source(registry.CORE_LINEAR_BACKWARD)}
-    except (KeyError, fingerprints.SourceUnavailable):
-        return {registry.CORE_LINEAR_BACKWARD: None}
 
 
 def _resolve(module: ModuleType, qualname: str) -> object:

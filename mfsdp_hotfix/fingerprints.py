@@ -16,9 +16,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-
-class SourceUnavailable(Exception):
-    """The code has no readable source (for example a bytecode-only install)."""
+from .errors import SourceUnavailable as SourceUnavailable
 
 
 def fp_code(source: str) -> str:

@@ -27,7 +27,6 @@ from . import (
     coverage,
     crossrank,
     detection,
-    eras,
     fix_catalogue,
     incidents,
     registry,
@@ -37,57 +36,16 @@ from . import (
 from . import settings as settings_module
 from .__about__ import __version__
 from .detection import Detection
-from .errors import HotfixRefused
+from .errors import HotfixRefused, RankMismatch
 from .fix_catalogue import Fix
 from .patching import Undo, wrap_attribute
 from .registry import Copy
+from .states import FixState
 
 log = logging.getLogger("mfsdp_hotfix")
 
 
-# Which fix module patches which of a copy's modules (a ``Copy`` property).
-_FIX_TARGET = {fix_catalogue.GETTER_GUARD.id: ("getter_guard", "model_module"),
-               fix_catalogue.ORDERED_DRAIN.id: ("ordered_drain", "buffer_module"),
-               fix_catalogue.MISSED_POST_BACKWARD.id: ("missed_post_backward", "model_module"),
-               fix_catalogue.ZERO1_ACCUMULATE.id: ("zero1_accumulate", "model_module"),
-               fix_catalogue.REDUCE_ONCE.id: ("reduce_once", "buffer_module"),
-               fix_catalogue.SINGLE_RANK_REDUCE.id: ("single_rank_reduce", "model_module"),
-               fix_catalogue.CORE_LINEAR_ACCUMULATE.id: ("core_linear_accumulate",
-                                                         "core_linear_module"),
-               fix_catalogue.ROOT_FORWARD_HOOKS.id: ("root_forward_hooks", "model_module"),
-               fix_catalogue.AUTO_SYNC_STOP.id: ("auto_sync_stop", "model_module")}
-_NOT_NEEDED = {fix_catalogue.GETTER_GUARD.id: "its main_grad_getter already drains before it "
-                                              "allocates, as NVIDIA/Megatron-LM#5222 and "
-                                              "ROCm/Megatron-LM#146 do",
-               fix_catalogue.ORDERED_DRAIN.id: "its getter drains before it allocates and its "
-                                               "drain waits on the caller's stream (the one that "
-                                               "writes the recycled slot), keeping at most "
-                                               "pool-size units live: "
-                                               + eras.ORDERED_DRAIN_UPSTREAM,
-               fix_catalogue.MISSED_POST_BACKWARD.id: "its post-forward releases the parameters "
-                                                      "of a unit whose post-backward hook did "
-                                                      "not run",
-               fix_catalogue.ZERO1_ACCUMULATE.id: "it sets overwrite_main_grad only where "
-                                                  "gradients are sharded "
-                                                  "(NVIDIA/Megatron-LM#6357), or not at all",
-               fix_catalogue.REDUCE_ONCE.id: "its backward hooks reduce unsharded gradients only "
-                                             "with overlap_grad_reduce (NVIDIA/Megatron-LM#6357), "
-                                             "or its finish_grad_sync reduces none of them without "
-                                             "overlap (the hooks' reduction is their only one)",
-               fix_catalogue.SINGLE_RANK_REDUCE.id: "its backward hooks reduce a gradient buffer "
-                                                    "whose data-parallel group has one rank once "
-                                                    "per step, not every microbatch "
-                                                    "(NVIDIA/Megatron-LM#6773)",
-               fix_catalogue.CORE_LINEAR_ACCUMULATE.id: "no megatron-core fused linear is in "
-                                                        "this copy's tree (megatron-core's own "
-                                                        "copy carries the fix), or its "
-                                                        "Megatron-FSDP wgrad reads "
-                                                        "overwrite_main_grad",
-               fix_catalogue.ROOT_FORWARD_HOOKS.id: "its MegatronFSDP.forward calls the root "
-                                                    "module through its hooks "
-                                                    "(NVIDIA/Megatron-LM#5808)",
-               fix_catalogue.AUTO_SYNC_STOP.id: "never: every release reduces in place"}
-REFUSED = "refused"
+REFUSED = FixState.REFUSED
 # The incident (:mod:`incidents`) of an import hook that raised: the copy may be left unpatched.
 INSTALL_FAILURE = "install"
 
@@ -97,14 +55,14 @@ class CopyRecord:
     """One imported copy: what was detected and what happened to each fix."""
 
     detection: Detection
-    fixes: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (state, reason)
+    fixes: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (FixState, reason)
     undo: dict[str, Undo] = field(default_factory=dict)
     models_repaired: int = 0
 
     @property
     def applied(self) -> list[str]:
         """Ids of the fixes applied to this copy, in registry order."""
-        return [fix_id for fix_id, (state, _) in self.fixes.items() if state == "applied"]
+        return [fix_id for fix_id, (state, _) in self.fixes.items() if state == FixState.APPLIED]
 
 
 @dataclass
@@ -117,7 +75,7 @@ class _State:
 
 _lock = threading.RLock()
 _state = _State()
-WOULD_APPLY = "would apply"
+WOULD_APPLY = FixState.WOULD_APPLY
 
 
 def view() -> tuple[settings_module.Settings | None, bool, list[CopyRecord]]:
@@ -133,8 +91,8 @@ def _note_failures() -> None:
     failures = incidents.failures()
     for record in _state.records.values():
         for fix_id, (state, _) in record.fixes.items():
-            if state == "applied" and fix_id in failures:
-                record.fixes[fix_id] = ("failed", failures[fix_id])
+            if state == FixState.APPLIED and fix_id in failures:
+                record.fixes[fix_id] = (FixState.FAILED, failures[fix_id])
 
 
 def install(strict: bool | None = None) -> bool:
@@ -211,8 +169,16 @@ def apply_to(model: Any) -> int:
 def _watched_modules() -> list[str]:
     names = [copy.buffer_module for copy in registry.COPIES]
     names += [copy.model_module for copy in registry.COPIES]
-    names += [copy.core_linear_module for copy in registry.COPIES if copy.core_linear_module]
+    names += [module for copy in registry.COPIES for _, module in _other_targets(copy)]
     return names + list(registry.REFUSED_MODULES)
+
+
+def _other_targets(copy: Copy) -> list[tuple[str, str]]:
+    """``(Fix.target, module)`` of each module of ``copy`` a fix patches besides its buffer and
+    model modules (megatron-core's fused linear, for the copy vendored in megatron-core)."""
+    found = {fix.target: copy.module(fix.target) for fix in fix_catalogue.FIXES
+             if fix.target not in (registry.BUFFER, registry.MODEL)}
+    return [(target, module) for target, module in found.items() if module is not None]
 
 
 def _on_import(module: ModuleType, late: bool = False) -> None:
@@ -237,20 +203,22 @@ def _handle(module: ModuleType, late: bool) -> None:
             _refuse(refused.detection)
         return
     for copy in registry.COPIES:
-        if name in (copy.buffer_module, copy.model_module, copy.core_linear_module):
+        others = _other_targets(copy)
+        if name in (copy.buffer_module, copy.model_module, *(module for _, module in others)):
             record = _record_for(copy)
             if record is not None:
                 # The model module imports the buffer module, never the other way round: when
                 # the buffer module's hook runs, the model module may be half-initialised.
-                _apply_fixes(record, copy, "buffer_module")
+                _apply_fixes(record, copy, registry.BUFFER)
                 if name == copy.model_module:
-                    _apply_fixes(record, copy, "model_module")
+                    _apply_fixes(record, copy, registry.MODEL)
                     if late:
                         _repair_existing(record, module)
-                # ``import megatron.core`` loads the fused linear before Megatron-FSDP: it is
-                # patched once the copy is detected, from whichever of the two hooks runs last.
-                if _fully_imported(copy.core_linear_module):
-                    _apply_fixes(record, copy, "core_linear_module")
+                # ``import megatron.core`` loads the fused linear before Megatron-FSDP: another
+                # module is patched once the copy is detected, from whichever hook runs last.
+                for target, other in others:
+                    if _fully_imported(other):
+                        _apply_fixes(record, copy, target)
 
 
 def _fully_imported(name: str | None) -> bool:
@@ -284,8 +252,8 @@ def fix_state(fix: Fix, found: Detection, settings: settings_module.Settings
     ``MFSDP_HOTFIX=0`` a fix this copy needs (or may need) is ``off``; one it does not need
     stays ``not needed``, so that what is left unfixed is only what this copy needs."""
     state, reason = _fix_state_if_on(fix, found, settings)
-    if not settings.enabled and state != "not needed":
-        return "off", f"{settings_module.SWITCH}=0"
+    if not settings.enabled and state != FixState.NOT_NEEDED:
+        return FixState.OFF, f"{settings_module.SWITCH}=0"
     return state, reason
 
 
@@ -297,40 +265,40 @@ def _fix_state_if_on(fix: Fix, found: Detection, settings: settings_module.Setti
         return REFUSED, (f"it rests on {', '.join(unknown)}, whose code shape this hotfix does "
                          "not know in this copy, so the fix is not applied")
     if fix.gate is not None and found.shapes and fix.gate not in found.shapes:
-        return "not needed", _NOT_NEEDED[fix.id]  # a copy read whole, without the gate's code
+        return FixState.NOT_NEEDED, fix.not_needed  # a copy read whole, without the gate's code
     reductions = [found.shapes.get(name) for name in fix.reductions]
     if reductions and all(shape is not None and not shape.reduces for shape in reductions):
         # the defect needs a synchronous reduction that reduces, whatever the gate's shape
-        return "not needed", _NOT_NEEDED[fix.id]
+        return FixState.NOT_NEEDED, fix.not_needed
     strange = [name for name in ((fix.gate,) if fix.gate else ()) + fix.reductions
                if found.shapes.get(name) is None]
     if strange:
-        return "unverified", (f"{', '.join(map(registry.short_name, strange))} has a code shape "
-                              "this hotfix does not know, so the fix is not applied")
+        return FixState.UNVERIFIED, (f"{', '.join(map(registry.short_name, strange))} has a code "
+                                     "shape this hotfix does not know, so the fix is not applied")
     if not found.needs(fix):
-        return "not needed", _NOT_NEEDED[fix.id]
+        return FixState.NOT_NEEDED, fix.not_needed
     if fix.id in settings.disabled_fixes:
-        return "disabled", "listed in MFSDP_HOTFIX_DISABLED_FIXES"
-    module_role = _FIX_TARGET[fix.id][1]
-    return WOULD_APPLY, f"applied when {getattr(found.copy, module_role)} is imported"
+        return FixState.DISABLED, f"listed in {settings_module.DISABLED_FIXES}"
+    return WOULD_APPLY, f"applied when {found.copy.module(fix.target)} is imported"
 
 
-def _apply_fixes(record: CopyRecord, copy: Copy, module_role: str) -> None:
-    module = sys.modules[getattr(copy, module_role)]
+def _apply_fixes(record: CopyRecord, copy: Copy, target: str) -> None:
+    """Apply, to the module of ``copy`` that ``target`` names (``Fix.target``), each fix that
+    patches it and would apply."""
+    module = sys.modules[str(copy.module(target))]
     for fix in fix_catalogue.FIXES:
-        fix_module, role = _FIX_TARGET[fix.id]
-        if role != module_role or record.fixes[fix.id][0] != WOULD_APPLY:
+        if fix.target != target or record.fixes[fix.id][0] != WOULD_APPLY:
             continue
         try:
-            record.undo[fix.id] = import_module(f"{__package__}.fixes.{fix_module}").apply(module)
+            record.undo[fix.id] = import_module(f"{__package__}.fixes.{fix.module}").apply(module)
         except Exception as exc:
             incidents.report(fix.id, f"installing on {copy.label}", exc)
-            record.fixes[fix.id] = ("failed", f"{type(exc).__name__}: {exc}")
+            record.fixes[fix.id] = (FixState.FAILED, f"{type(exc).__name__}: {exc}")
             continue
-        record.fixes[fix.id] = ("applied", fix.summary)
+        record.fixes[fix.id] = (FixState.APPLIED, fix.summary)
         log.debug("mfsdp_hotfix: applied %s to %s %s", fix.id, copy.label,
                   record.detection.version)
-    if module_role == "model_module" and "model-built" not in record.undo:
+    if target == registry.MODEL and "model-built" not in record.undo:
         record.undo["model-built"] = wrap_attribute(
             module.MegatronFSDP, "__init__", functools.partial(_after_model_init, record),
             "model-built")
@@ -351,7 +319,7 @@ def _after_model_init(record: CopyRecord, wrapped: Any, instance: Any, args: tup
     assert _state.settings is not None
     try:
         crossrank.check(applied_fingerprint(), _state.settings)
-    except crossrank.RankMismatch:
+    except RankMismatch:
         raise
     except Exception as exc:  # e.g. a process group whose store cannot set keys
         incidents.report("cross-rank-check", "comparing ranks after MegatronFSDP.__init__", exc)
@@ -376,7 +344,7 @@ def _repair_existing(record: CopyRecord, model_module: ModuleType) -> None:
 
 
 def _repair(record: CopyRecord, instance: Any) -> int:
-    if record.fixes.get(fix_catalogue.GETTER_GUARD.id, ("", ""))[0] != "applied":
+    if record.fixes.get(fix_catalogue.GETTER_GUARD.id, ("", ""))[0] != FixState.APPLIED:
         return 0
     from .fixes import getter_guard
 

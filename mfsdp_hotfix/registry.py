@@ -28,18 +28,32 @@ class Copy:
     @property
     def buffer_module(self) -> str:
         """Defines ``ParamAndGradBuffer`` and ``GradReducePipeline``."""
-        return f"{self.package}.param_and_grad_buffer"
+        return f"{self.package}{BUFFER}"
 
     @property
     def model_module(self) -> str:
         """Defines ``MegatronFSDP``."""
-        return f"{self.package}.megatron_fsdp"
+        return f"{self.package}{MODEL}"
 
     @property
     def core_linear_module(self) -> str | None:
         """megatron-core's own fused linear (:data:`CORE_LINEAR_MODULE`), for the copy vendored in
         megatron-core (``import megatron.core`` imports both); None for any other copy."""
-        return CORE_LINEAR_MODULE if self.package.startswith("megatron.core.") else None
+        return self.module(CORE_LINEAR_MODULE)
+
+    def module(self, where: str) -> str | None:
+        """The module a fix patches or a gate is read from: ``where`` relative (``.name``) is a
+        module of this copy's package; absolute, a megatron-core module outside Megatron-FSDP,
+        in the tree of the copy vendored in megatron-core only (None for any other copy)."""
+        if where.startswith("."):
+            return f"{self.package}{where}"
+        return where if self.package.startswith("megatron.core.") else None
+
+
+# Where a fix patches or a gate is read (:meth:`Copy.module`): the copy's buffer module and its
+# model module.
+BUFFER = ".param_and_grad_buffer"
+MODEL = ".megatron_fsdp"
 
 
 COPIES = (
@@ -69,9 +83,7 @@ HOOKS = "MegatronFSDP._register_fsdp_hooks"
 # ``overwrite_main_grad`` (after its all-gather), which decides whether fused wgrad accumulation
 # overwrites or adds into ``main_grad``.
 OVERWRITE_SETTER = "MegatronFSDP.all_gather_and_wait_parameters_ready"
-# Calls the wrapped root module: past its hooks (``self.module.forward``) or through them.
-ROOT_FORWARD = "MegatronFSDP.forward"
-GATES = (HOOKS, OVERWRITE_SETTER, ROOT_FORWARD)
+GATES = (HOOKS, OVERWRITE_SETTER)
 # In the buffer module: the synchronous reductions ``finish_grad_sync`` runs without
 # ``overlap_grad_reduce``, per unsharded strategy. Read to decide reduce-once's need: where one
 # reduces nothing (its loop skips every buffer), the hooks' reduction is that strategy's only one.
@@ -219,16 +231,6 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
     ),
 }
 
-# megatron-fsdp 0.1.0-0.5.1 / megatron-core 0.14-0.18 call ``self.module.forward(...)``, past the
-# hooks registered on the root module; 0.6.0 / 0.19.0 call ``self.module(...)``
-# (NVIDIA/Megatron-LM#5808).
-SHAPES[ROOT_FORWARD] = (
-    Shape("0.14", "f8429a53bd8e0357dfbbbc7775f24000af02638f0387024f887d0123a4f81ac7",
-          needs=frozenset({"root-forward-hooks"})),
-    Shape("0.19", "cf59d8b762cca4bac814453d482817c4b17f3eefc715b1df46a1f92b3e12959d",
-          note="calls the root module through its hooks"),
-)
-
 SHAPES.update({qualname: (
     Shape("reduces every buffer", structure="reduces_every_buffer", reduces=True),
     Shape("skips every buffer", structure="skips_every_buffer", reduces=False))
@@ -276,3 +278,6 @@ SHAPES[CORE_LINEAR_BACKWARD] = (
           note="the Megatron-FSDP wgrad overwrites main_grad only where overwrite_main_grad "
                "says so"),
 )
+# Where each gate above is read from (:meth:`Copy.module`), parsed, not imported. A gate only one
+# fix reads may be declared on that fix instead (``Fix.gate_module``, ``Fix.gate_shapes``).
+GATE_MODULES = {HOOKS: MODEL, OVERWRITE_SETTER: MODEL, CORE_LINEAR_BACKWARD: CORE_LINEAR_MODULE}

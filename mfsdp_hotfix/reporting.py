@@ -35,6 +35,7 @@ from .__about__ import __version__
 from .installer import CopyRecord
 from .registry import Copy, Shape
 from .release_defects import defects_of
+from .states import FixState
 
 HOTFIX_STATES = {
     "off": f"{settings_module.SWITCH}=0 switches every fix off",
@@ -46,25 +47,25 @@ HOTFIX_STATES = {
                   "sitecustomize bootstrap here; see `mfsdp-hotfix run`)",
 }
 FIX_STATES = {
-    "applied": "applied to this imported copy",
-    installer.WOULD_APPLY: "applied as soon as this copy is imported",
-    "not needed": "this copy's code does not have the defect the fix repairs",
-    "disabled": f"listed in {settings_module.DISABLED_FIXES}",
-    "failed": "the fix raised inside the hotfix (while being installed, or later while "
-              "training) and was switched off for the rest of the process; the code runs as "
-              "shipped",
-    "unverified": "this copy's code around the fix is not a shape the hotfix knows: not "
-                  "applied, and building a model in a configuration it covers is refused",
-    "off": f"{settings_module.SWITCH}=0",
-    installer.REFUSED: "the copy is refused and this fix rests on code the hotfix does not "
-                       "recognise there: not applied (see the copy's reason for the workaround)",
+    FixState.APPLIED: "applied to this imported copy",
+    FixState.WOULD_APPLY: "applied as soon as this copy is imported",
+    FixState.NOT_NEEDED: "this copy's code does not have the defect the fix repairs",
+    FixState.DISABLED: f"listed in {settings_module.DISABLED_FIXES}",
+    FixState.FAILED: "the fix raised inside the hotfix (while being installed, or later while "
+                     "training) and was switched off for the rest of the process; the code runs "
+                     "as shipped",
+    FixState.UNVERIFIED: "this copy's code around the fix is not a shape the hotfix knows: not "
+                         "applied, and building a model in a configuration it covers is refused",
+    FixState.OFF: f"{settings_module.SWITCH}=0",
+    FixState.REFUSED: "the copy is refused and this fix rests on code the hotfix does not "
+                      "recognise there: not applied (see the copy's reason for the workaround)",
 }
 SHAPE_MEANING = ("each function is judged by its own code: 'as shipped in megatron-fsdp "
                  "0.4.0-0.5.1' means its text equals those releases', layout and comments aside "
                  "(the other distribution's releases with the same text follow); 'drains before "
                  "fetching' means a getter recognised by its structure")
 # A fix's state that protects a job once the hotfix is loaded.
-PROTECTING = ("applied", installer.WOULD_APPLY)
+PROTECTING = (FixState.APPLIED, FixState.WOULD_APPLY)
 # Process states (:data:`HOTFIX_STATES`) in which no fix can protect a job, in a few words.
 UNPROTECTING = {"off": f"{settings_module.SWITCH}=0",
                 "not loaded": "nothing loads the hotfix in a new process here (no .pth or "
@@ -162,7 +163,7 @@ def judged_offline(found: detection.Detection, settings: settings_module.Setting
     for fix in fix_catalogue.FIXES:
         state, reason = states[fix.id] = installer.fix_state(fix, found, settings)
         fixes[fix.id] = {"state": state,
-                         "reason": fix.summary if state == installer.WOULD_APPLY else reason}
+                         "reason": fix.summary if state == FixState.WOULD_APPLY else reason}
     return {**found.as_dict(), "imported": imported, "fixes": fixes,
             "limits": coverage.limits(found, states, enforced=settings.enabled),
             "release_defects": release_defects(states, found.shapes),
@@ -202,14 +203,15 @@ def fix_states(copy: dict[str, Any], failures: Mapping[str, str]) -> dict[str, t
     fixes switch themselves off process-wide when they fail."""
     states = {}
     for fix, state in copy["fixes"].items():
-        failed = fix in failures and state["state"] in (*PROTECTING, "failed")
-        states[fix] = ("failed", failures[fix]) if failed else (state["state"], state["reason"])
+        failed = fix in failures and state["state"] in (*PROTECTING, FixState.FAILED)
+        states[fix] = ((FixState.FAILED, failures[fix]) if failed else
+                       (state["state"], state["reason"]))
     return states
 
 
 def _affected(copy: dict[str, Any]) -> bool:
     return bool(copy["refused"] or copy.get("release_defects") or any(
-        state["state"] != "not needed" for state in copy["fixes"].values())
+        state["state"] != FixState.NOT_NEEDED for state in copy["fixes"].values())
         or any(not limit["covered"] for limit in copy.get("limits", [])))
 
 
@@ -248,7 +250,7 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
         named = f"{name(copy)}: " if len(copies) > 1 else ""
         states = fix_states(copy, failures)
         gaps = {fix: state for fix, (state, _) in states.items()
-                if state != "not needed"
+                if state != FixState.NOT_NEEDED
                 and (hotfix in UNPROTECTING or state not in PROTECTING)}
         by_state: dict[str, list[str]] = {}
         for fix, state in gaps.items():
@@ -260,7 +262,7 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
         told: list[str] = []
         if copy["refused"]:
             remedies.append(f"use {DOUBLE_BUFFER_OFF}")
-            refused = by_state.pop(installer.REFUSED, [])
+            refused = by_state.pop(FixState.REFUSED, [])
             told.append((f"{', '.join(refused)} " if refused else "")
                         + f"left as shipped ({copy['reason']})")
             kept = [fix for fix, (state, _) in states.items() if state in PROTECTING]
@@ -269,7 +271,7 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
         if hotfix not in UNPROTECTING:
             for state, fixes in by_state.items():
                 told += ([f"{fix} failed ({states[fix][1]})" for fix in fixes]
-                         if state == "failed" else [f"{', '.join(fixes)} {state}"])
+                         if state == FixState.FAILED else [f"{', '.join(fixes)} {state}"])
         told += [_unrepaired(defect, copy) for defect in defects if defect["fix"] is None]
         if told:
             reasons.append(named + "; ".join(told))

@@ -29,8 +29,7 @@ __all__ = ["ALL_VARIABLES", "AUDIT", "BOOTSTRAP", "CROSS_RANK_CHECK", "CROSS_RAN
 
 DEFAULT_CROSS_RANK_TIMEOUT = 60.0
 
-_SWITCH_VALUES = {"": "on", "1": "on", "on": "on", "true": "on", "yes": "on",
-                  "0": "off", "off": "off", "false": "off", "no": "off",
+_SWITCH_VALUES = {**dict.fromkeys(variables.ON, "on"), **dict.fromkeys(variables.OFF, "off"),
                   "strict": "strict"}
 _CHECK_VALUES = {"": "error", "error": "error", "1": "error", "on": "error",
                  "warn": "warn", "warning": "warn", "off": "off", "0": "off"}

@@ -22,20 +22,13 @@ from typing import Any
 from . import detection, fix_catalogue, registry, reporting, v2, versions
 from . import settings as settings_module
 from .__about__ import __version__
+from .errors import TreeError as TreeError
 from .registry import Copy
 
 BUFFER_FILE = "param_and_grad_buffer.py"
 # Exit statuses of ``status --path`` when the folder cannot be judged (``--check`` keeps 0/1).
 NOT_A_FOLDER, NOTHING_FOUND = 2, 3
 _SKIPPED = {".git", "__pycache__"}
-
-
-class TreeError(Exception):
-    """DIR cannot be judged: missing, not a folder, unreadable, or holding no copy."""
-
-    def __init__(self, message: str, exit_status: int) -> None:
-        super().__init__(message)
-        self.exit_status = exit_status
 
 
 def readable_folder(folder: str) -> Path:

@@ -12,6 +12,8 @@ could make the import skip the next finder.
 import os
 import sys
 
+from . import variables
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs more to import than this whole module
     from collections.abc import Sequence
@@ -19,7 +21,6 @@ if TYPE_CHECKING:  # typing costs more to import than this whole module
     from types import ModuleType
 
 TOP_LEVEL = ("megatron", "megatron_fsdp")
-_OFF = {"0", "off", "false", "no"}
 
 loaded_via = "import"
 
@@ -46,8 +47,8 @@ def arm(source: str) -> None:
     package was loaded (``import``, ``pth``, ``sitecustomize``) for ``status()``."""
     global loaded_via
     loaded_via = source
-    if os.environ.get("MFSDP_HOTFIX", "").strip().lower() in _OFF and not os.environ.get(
-            "MFSDP_HOTFIX_AUDIT", "").strip():
+    if variables.switch(os.environ.get(variables.SWITCH, "")) is False and not os.environ.get(
+            variables.AUDIT, "").strip():
         return  # off, and no audit to arm (MFSDP_HOTFIX_AUDIT audits with the hotfix off too)
     if any(name in sys.modules for name in TOP_LEVEL):
         from .installer import install

@@ -17,6 +17,12 @@ CROSS_RANK_TIMEOUT = "MFSDP_HOTFIX_CROSS_RANK_TIMEOUT"
 BOOTSTRAP = "MFSDP_HOTFIX_BOOTSTRAP"
 AUDIT = "MFSDP_HOTFIX_AUDIT"
 
+# The on/off values every switch accepts (case and spaces ignored), parsed here alone: the
+# ``.pth`` line, which runs before the package is importable, repeats OFF (tests/test_bootstrap.py
+# holds it to this set).
+ON = frozenset({"", "1", "on", "true", "yes"})
+OFF = frozenset({"0", "off", "false", "no"})
+
 ALL_VARIABLES = (SWITCH, DISABLED_FIXES, CROSS_RANK_CHECK, CROSS_RANK_TIMEOUT, BOOTSTRAP, AUDIT)
 MAX_EDITS = 2
 # A word of a shortened name (``MFSDP_HOTFIX_DISABLE``) stands for a word of ours it begins, if
@@ -31,6 +37,13 @@ if TYPE_CHECKING:  # typing costs more to import than this whole module
     from collections.abc import Iterable
 
 _told: set[str] = set()
+
+
+def switch(raw: str) -> bool | None:
+    """What an on/off variable's value ``raw`` says: True (on, also unset), False (off), or None
+    (not an on/off value)."""
+    value = raw.strip().lower()
+    return True if value in ON else False if value in OFF else None
 
 
 def misspelt(names: "Iterable[str]") -> list[str]:

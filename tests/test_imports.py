@@ -184,10 +184,10 @@ def test_validation_phases_import_the_engine_not_each_other() -> None:
 # recognisers) imports nothing else of the package, the fixes know nothing of the installer, and
 # only the commands and the entry point know the command line. A new module must be placed here.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("knowledge", ("registry", "verified_releases", "eras", "fix_catalogue", "release_defects",
-                   "gradient_pools", "structure")),
-    ("foundations", ("__about__", "errors", "variables", "settings", "versions", "fingerprints",
-                     "patching", "incidents", "happens_before", "compare")),
+    ("knowledge", ("errors", "states", "registry", "verified_releases", "eras", "limits",
+                   "defects", "fix_catalogue", "release_defects", "gradient_pools", "structure")),
+    ("foundations", ("__about__", "variables", "settings", "versions", "fingerprints",
+                     "patching", "incidents", "guard", "happens_before", "compare")),
     ("reading", ("detection", "v2", "coverage", "slot_reuse", "crossrank")),
     ("fixes", ("fixes",)),
     ("observing", ("audit",)),

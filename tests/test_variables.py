@@ -72,3 +72,19 @@ def test_only_names_holding_a_piece_of_ours_are_measured() -> None:
         for once in _one_edit(known):
             for twice in _one_edit(once):
                 assert any(piece in twice for piece in variables._PIECES), twice
+
+
+def test_on_off_values_are_parsed_in_one_place() -> None:
+    """Every switch reads its value through ``variables.switch``; the ``.pth`` line, which runs
+    before the package can be imported, spells out the same off values."""
+    for raw in ("", "1", " ON ", "true", "Yes"):
+        assert variables.switch(raw) is True, raw
+    for raw in ("0", "off", " FALSE", "no"):
+        assert variables.switch(raw) is False, raw
+    assert variables.switch("strict") is None and variables.switch("maybe") is None
+    pth = (REPO / "mfsdp_hotfix" / "mfsdp_hotfix.pth").read_text()
+    (spelled,) = re.findall(r"not in \(([^)]*)\)", pth)
+    assert {value.strip(" '") for value in spelled.split(",")} == variables.OFF
+    for module in ("settings", "trigger", "bootstrap", "commands/status"):
+        source = (REPO / "mfsdp_hotfix" / f"{module}.py").read_text()
+        assert '"false"' not in source and "'false'" not in source, module

@@ -30,6 +30,7 @@ from .. import (
     detection,
     fix_catalogue,
     gradient_pools,
+    limits,
     registry,
     release_defects,
     slot_reuse,
@@ -81,7 +82,7 @@ class OneRankGrads:
         self._forwards[model] = 0
         if not _SIZE_ONE.matches(model):
             return
-        groups = coverage.one_rank_gradient_groups(model)
+        groups = limits.one_rank_gradient_groups(model)
         if not groups:
             return
         self._one_rank.add(model)

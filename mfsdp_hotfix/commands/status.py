@@ -12,7 +12,8 @@ import site
 import sys
 from typing import Any
 
-from .. import bootstrap, installer, registry, reporting, settings, tree, variables
+from .. import bootstrap, registry, reporting, settings, tree, variables
+from ..states import FixState
 from .exits import CHECK_OK, CHECK_UNFIXED
 from .output import emit
 
@@ -55,8 +56,7 @@ def report() -> dict[str, Any]:
     pth = [os.path.join(d, bootstrap.PTH_NAME) for d in _site_dirs()
            if os.path.isfile(os.path.join(d, bootstrap.PTH_NAME))]
     on_path = bootstrap.SITECUSTOMIZE_DIR in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    opted_out = os.environ.get(settings.BOOTSTRAP, "").strip().lower() in {"0", "off", "false",
-                                                                           "no"}
+    opted_out = variables.switch(os.environ.get(settings.BOOTSTRAP, "")) is False
     loaded_via = ("sitecustomize" if on_path else "pth" if pth and not opted_out else None)
     data["scope"] = "a new Python process of this environment"
     data["hotfix"] = ("off" if data["settings"]["mode"] == "off" else
@@ -89,9 +89,11 @@ def _unfixed(data: dict[str, Any]) -> list[str]:
         if copy["refused"]:
             problems.append(f"{name}: refused ({copy['reason']})")
         for fix, state in copy["fixes"].items():
-            if state["state"] in ("failed", "disabled", "off", "unverified"):
+            if state["state"] in (FixState.FAILED, FixState.DISABLED, FixState.OFF,
+                                  FixState.UNVERIFIED):
                 problems.append(f"{name}: {fix} {state['state']} ({state['reason']})")
-        waiting = [fix for fix, state in copy["fixes"].items() if state["state"] == "would apply"]
+        waiting = [fix for fix, state in copy["fixes"].items()
+                   if state["state"] == FixState.WOULD_APPLY]
         if waiting and data.get("hotfix") == "not loaded":
             problems.append(f"{name}: {', '.join(waiting)} would apply, but "
                             f"{reporting.UNPROTECTING['not loaded']}")
@@ -193,9 +195,9 @@ def _copy_line(copy: dict[str, Any], hotfix: str | None) -> str:
     a refused copy: what is left as shipped, what still applies, and what to use instead."""
     by_state: dict[str, list[str]] = {}
     for fix, state in copy["fixes"].items():
-        if state["state"] != "not needed":
+        if state["state"] != FixState.NOT_NEEDED:
             by_state.setdefault(state["state"], []).append(fix)
-    left = ", ".join(by_state.pop(installer.REFUSED, [])) if copy["refused"] else ""
+    left = ", ".join(by_state.pop(FixState.REFUSED, [])) if copy["refused"] else ""
     parts = [f"{', '.join(names)} {state}" for state, names in by_state.items()]
     unrepaired = [defect for defect in copy.get("release_defects", []) if defect["fix"] is None]
     parts += [f"{defect['name']} NOT repaired" for defect in unrepaired]

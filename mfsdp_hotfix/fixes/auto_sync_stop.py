@@ -22,12 +22,11 @@ import weakref
 from types import ModuleType
 from typing import Any
 
-from ..coverage import replicated_over_outer_group
 from ..errors import UnsupportedConfiguration
 from ..fix_catalogue import AUTO_SYNC_STOP
+from ..limits import reduced_in_place
 from ..patching import Undo, wrap_attributes
 
-UNSHARDED = ("optim", "no_shard")
 STOPPED = (
     "mfsdp_hotfix: auto-sync-stop: model auto-sync (sync_model_each_microbatch=True, "
     "fully_shard's default) with a gradient buffer reduced in place ({what}) and a second "
@@ -38,24 +37,6 @@ STOPPED = (
     "hotfix), or one microbatch per optimizer step")
 # The models that synchronised since their last zero_grad_buffer.
 _SYNCED: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def reduced_in_place(model: Any) -> str | None:
-    """What of ``model`` (a built ``MegatronFSDP``) each synchronisation reduces in place, in
-    words; None where a reduction of an accumulated buffer is right."""
-    if replicated_over_outer_group(model):
-        return "HSDP's all-reduce over DP-Outer"
-    if model.ddp_config.data_parallel_sharding_strategy not in UNSHARDED:
-        return None
-    for group in model.param_and_grad_buffer.parameter_groups:
-        grads = group.main_grad_buffer
-        if grads is None:
-            continue
-        if grads.data_parallel_group.size() > 1:
-            return "an unsharded buffer over two or more data-parallel ranks"
-        if grads.gradient_scaling_factor not in (None, 1.0):
-            return "an unsharded buffer scaled at each reduction"
-    return None
 
 
 def apply(model_module: ModuleType) -> Undo:

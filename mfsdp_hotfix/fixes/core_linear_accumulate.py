@@ -40,20 +40,15 @@ import inspect
 from types import ModuleType
 from typing import Any
 
-from .. import incidents
-from ..errors import UnsupportedConfiguration
+from .. import guard
 from ..fix_catalogue import CORE_LINEAR_ACCUMULATE
 from ..patching import Undo, wrap_static_method
-from ..release_defects import CORE_LINEAR_FUSED_WGRAD_OVERWRITE
 
 FUNCTION = "LinearWithGradAccumulationAndAsyncCommunication"
+BACKWARD = f"{FUNCTION}.backward"
 # forward(ctx, input, weight, ...): autograd keeps one edge per tensor input, so the weight's
 # is the second.
 WEIGHT_EDGE = 1
-STOPPED = ("the step is stopped, because going on would let megatron-core's fused linear "
-           "overwrite the ZeRO-1 gradients of every later microbatch; workaround: "
-           + " or ".join(CORE_LINEAR_FUSED_WGRAD_OVERWRITE.workarounds)
-           + ". Please report this with `mfsdp-hotfix status --json`")
 
 
 def weight_to_accumulate(ctx: Any) -> Any | None:
@@ -88,7 +83,7 @@ def run_accumulating(backward: Any, weight: Any, args: tuple[Any, ...],
     try:
         getter = weight.__dict__["get_main_grad"]  # Megatron-FSDP binds one to each parameter
     except Exception as exc:
-        raise _stopped(exc) from exc
+        raise guard.stopped(CORE_LINEAR_ACCUMULATE, BACKWARD, exc) from exc
     taken: list[tuple[Any, Any]] = []
 
     def into_scratch() -> Any:
@@ -107,7 +102,7 @@ def run_accumulating(backward: Any, weight: Any, args: tuple[Any, ...],
             main_grad.add_(scratch)
             weight.main_grad = main_grad
     except Exception as exc:
-        raise _stopped(exc) from exc
+        raise guard.stopped(CORE_LINEAR_ACCUMULATE, BACKWARD, exc) from exc
     return result
 
 
@@ -124,17 +119,10 @@ def apply(layers_module: ModuleType) -> Undo:
         try:
             weight = weight_to_accumulate(args[0])
         except Exception as exc:
-            raise _stopped(exc) from exc
+            raise guard.stopped(CORE_LINEAR_ACCUMULATE, BACKWARD, exc) from exc
         if weight is None:
             return backward(*args, **kwargs)
         return run_accumulating(backward, weight, args, kwargs)
 
     return wrap_static_method(function, "backward", accumulating_backward,
                               CORE_LINEAR_ACCUMULATE.id)
-
-
-def _stopped(exc: Exception) -> UnsupportedConfiguration:
-    incidents.report(CORE_LINEAR_ACCUMULATE.id, f"{FUNCTION}.backward", exc, advice=STOPPED)
-    return UnsupportedConfiguration(
-        f"mfsdp_hotfix: {CORE_LINEAR_ACCUMULATE.id} failed ({type(exc).__name__}: {exc}); "
-        f"{STOPPED}")

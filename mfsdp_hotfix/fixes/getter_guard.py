@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
-from .. import incidents
+from .. import guard
 from ..fix_catalogue import GETTER_GUARD
 from ..patching import Undo, wrap_attribute
 
@@ -34,11 +34,9 @@ _linked_models: weakref.WeakSet[Any] = weakref.WeakSet()
 def guarded_get_main_grad(param: Any) -> Any:
     """Make room in the pool for this parameter's unit, then run the release's own getter."""
     pipeline = getattr(param, _PIPELINE)()
-    if pipeline is not None and not incidents.disabled(GETTER_GUARD.id):
-        try:
-            pipeline._enforce_double_buffer_limit([param._gbuf.bucket_id])
-        except Exception as exc:
-            incidents.report(GETTER_GUARD.id, "get_main_grad", exc)
+    if pipeline is not None:
+        guard.attempt(GETTER_GUARD, "get_main_grad",
+                      lambda: pipeline._enforce_double_buffer_limit([param._gbuf.bucket_id]))
     return getattr(param, _ORIGINAL)(param)
 
 
@@ -82,11 +80,7 @@ def apply(model_module: ModuleType) -> Undo:
     def after_buffer_init(wrapped: Any, instance: Any, args: tuple[Any, ...],
                           kwargs: dict[str, Any]) -> Any:
         result = wrapped(*args, **kwargs)
-        if not incidents.disabled(GETTER_GUARD.id):
-            try:
-                link(instance)
-            except Exception as exc:
-                incidents.report(GETTER_GUARD.id, "_init_fsdp_param_and_grad_buffer", exc)
+        guard.attempt(GETTER_GUARD, "_init_fsdp_param_and_grad_buffer", lambda: link(instance))
         return result
 
     restore_class = wrap_attribute(model_class, "_init_fsdp_param_and_grad_buffer",

@@ -22,7 +22,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .. import incidents
+from .. import guard
 from ..fix_catalogue import MISSED_POST_BACKWARD
 from ..patching import Undo, wrap_attribute
 
@@ -59,11 +59,8 @@ def apply(model_module: ModuleType) -> Undo:
 
     def before_forward(wrapped: Any, instance: Any, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> Any:
-        if not incidents.disabled(MISSED_POST_BACKWARD.id):
-            try:
-                finish_missed_post_backwards(instance)
-            except Exception as exc:
-                incidents.report(MISSED_POST_BACKWARD.id, "MegatronFSDP.forward", exc)
+        guard.attempt(MISSED_POST_BACKWARD, "MegatronFSDP.forward",
+                      lambda: finish_missed_post_backwards(instance))
         return wrapped(*args, **kwargs)
 
     return wrap_attribute(model_module.MegatronFSDP, "forward", before_forward,

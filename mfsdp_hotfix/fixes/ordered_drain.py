@@ -16,7 +16,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .. import incidents
+from .. import guard
 from ..fix_catalogue import ORDERED_DRAIN
 from ..patching import Undo, wrap_attribute
 from ..registry import RELEASE_POOL_SIZE
@@ -62,14 +62,11 @@ def apply(buffer_module: ModuleType) -> Undo:
 
     def replacement(wrapped: Any, instance: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
-        if incidents.disabled(ORDERED_DRAIN.id):
-            return wrapped(*args, **kwargs)
-        try:
-            keep_n = entries_to_keep(instance, *args, **kwargs)
-        except AssertionError:
-            raise  # the pool-limit check, kept as every release has it
-        except Exception as exc:
-            incidents.report(ORDERED_DRAIN.id, "_enforce_double_buffer_limit", exc)
+        # AssertionError passes: the pool-limit check, kept as every release has it.
+        keep_n = guard.attempt(ORDERED_DRAIN, "_enforce_double_buffer_limit",
+                               lambda: entries_to_keep(instance, *args, **kwargs),
+                               passes=(AssertionError,))
+        if keep_n is guard.SKIPPED:
             return wrapped(*args, **kwargs)
         if keep_n is not None:
             # Deliberately on the caller's current stream: see the module docstring.

@@ -34,8 +34,8 @@ stopped: going on would train on wrong gradients silently.
 Model auto-sync (``sync_model_each_microbatch=True``) runs ``finish_grad_sync`` after every
 microbatch, and the buffer accumulates in place: a scale other than 1 (the experts') would
 apply again to the microbatches already scaled. No second scale makes that right, so the second
-microbatch of a step is stopped there (before anything is scaled),
-naming the way around it; one microbatch per step, or a scale of 1, is exact and runs.
+microbatch of a step is stopped there (before anything is scaled), naming the way around it;
+one microbatch per step, or a scale of 1, is exact and runs.
 """
 
 from __future__ import annotations
@@ -44,16 +44,12 @@ import weakref
 from types import ModuleType
 from typing import Any
 
-from .. import incidents
 from ..errors import UnsupportedConfiguration
 from ..fix_catalogue import SINGLE_RANK_REDUCE
+from ..guard import stopped
 from ..patching import Undo, wrap_attributes
-from ..release_defects import SINGLE_RANK_GRADS
 
 SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
-STOPPED = ("the step is stopped, because going on would train on wrong gradients of every "
-           "one-rank gradient buffer; workaround: " + " or ".join(SINGLE_RANK_GRADS.workarounds)
-           + ". Please report this with `mfsdp-hotfix status --json`")
 
 # Per gradient pipeline: the buckets whose hooks' reduction was left out since the last
 # finish_grad_sync, so each is scaled once however many microbatches added into it.
@@ -133,12 +129,6 @@ AUTO_SYNC = (
     "microbatch per optimizer step, or calculate_per_token_loss=True (no scale)")
 
 
-def _stop(where: str, exc: Exception) -> UnsupportedConfiguration:
-    incidents.report(SINGLE_RANK_REDUCE.id, where, exc, advice=STOPPED)
-    return UnsupportedConfiguration(
-        f"mfsdp_hotfix: {SINGLE_RANK_REDUCE.id} failed ({type(exc).__name__}: {exc}); {STOPPED}")
-
-
 def apply(model_module: ModuleType) -> Undo:
     """Wrap ``MegatronFSDP.all_gather_and_wait_parameters_ready``, ``.finish_grad_sync`` and
     ``.zero_grad_buffer``, and ``GradReducePipeline.reduce_gradients`` (the class the model
@@ -153,7 +143,7 @@ def apply(model_module: ModuleType) -> Undo:
                 if one_rank_bucket(instance.param_and_grad_buffer, param) is not None:
                     param.overwrite_main_grad = False
         except Exception as exc:
-            raise _stop("all_gather_and_wait_parameters_ready", exc) from exc
+            raise stopped(SINGLE_RANK_REDUCE, "all_gather_and_wait_parameters_ready", exc) from exc
         return result
 
     def leave_out_one_rank(wrapped: Any, instance: Any, args: tuple[Any, ...],
@@ -171,7 +161,7 @@ def apply(model_module: ModuleType) -> Undo:
                 elif not hybrid:
                     _LEFT_OUT.setdefault(instance, set()).add(bucket_id)
         except Exception as exc:
-            raise _stop("GradReducePipeline.reduce_gradients", exc) from exc
+            raise stopped(SINGLE_RANK_REDUCE, "GradReducePipeline.reduce_gradients", exc) from exc
         if params and not kept:
             return None
         return wrapped(kept, *args[1:], **kwargs)
@@ -183,7 +173,7 @@ def apply(model_module: ModuleType) -> Undo:
         except UnsupportedConfiguration:  # auto-sync's second microbatch: said why
             raise
         except Exception as exc:
-            raise _stop("finish_grad_sync", exc) from exc
+            raise stopped(SINGLE_RANK_REDUCE, "finish_grad_sync", exc) from exc
         return wrapped(*args, **kwargs)
 
     def zeroed(wrapped: Any, instance: Any, args: tuple[Any, ...],

@@ -27,17 +27,11 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .. import incidents
-from ..errors import UnsupportedConfiguration
+from .. import guard
 from ..fix_catalogue import ZERO1_ACCUMULATE
 from ..patching import Undo, wrap_attribute
-from ..release_defects import ZERO1_FUSED_WGRAD_OVERWRITE
 
 SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
-STOPPED = ("the step is stopped, because going on would let fused wgrad overwrite the ZeRO-1 "
-           "gradients of every later microbatch; workaround: "
-           + " or ".join(ZERO1_FUSED_WGRAD_OVERWRITE.workarounds)
-           + ". Please report this with `mfsdp-hotfix status --json`")
 
 
 def accumulates(model: Any, params: Any) -> int:
@@ -59,15 +53,9 @@ def apply(model_module: ModuleType) -> Undo:
     def after_all_gather(wrapped: Any, instance: Any, args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> Any:
         result = wrapped(*args, **kwargs)
-        try:
-            params = kwargs["params"] if "params" in kwargs else args[0]
-            accumulates(instance, list(params))
-        except Exception as exc:
-            incidents.report(ZERO1_ACCUMULATE.id, "all_gather_and_wait_parameters_ready", exc,
-                             advice=STOPPED)
-            raise UnsupportedConfiguration(
-                f"mfsdp_hotfix: {ZERO1_ACCUMULATE.id} failed ({type(exc).__name__}: {exc}); "
-                f"{STOPPED}") from exc
+        guard.attempt(ZERO1_ACCUMULATE, "all_gather_and_wait_parameters_ready",
+                      lambda: accumulates(instance, list(
+                          kwargs["params"] if "params" in kwargs else args[0])))
         return result
 
     return wrap_attribute(model_module.MegatronFSDP, "all_gather_and_wait_parameters_ready",

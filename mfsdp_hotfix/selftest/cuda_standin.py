@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from mfsdp_hotfix.errors import AuditArmedFirst as AuditArmedFirst
 from mfsdp_hotfix.happens_before import Mark, Timeline
 
 _stream_ids = itertools.count(0)
@@ -191,10 +192,6 @@ class CpuDeviceIndex(str):
 
     def __index__(self) -> int:
         return 0
-
-
-class AuditArmedFirst(RuntimeError):
-    """The on-the-job audit was armed before the stand-in was installed."""
 
 
 def install() -> Callable[[], None]:

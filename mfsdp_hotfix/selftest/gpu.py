@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from mfsdp_hotfix.errors import CannotRun as CannotRun
 from mfsdp_hotfix.selftest import processes
 from mfsdp_hotfix.selftest.gpu_spec import LAYER_LABELS, GpuRun, GpuRunResult, merge
 from mfsdp_hotfix.selftest.gpu_worker import audit_prefix, report_file
@@ -37,11 +38,6 @@ from mfsdp_hotfix.selftest.spec import CaseSpec
 WORKER = "mfsdp_hotfix.selftest.gpu_worker"
 SERIALIZED = ("shipped serialized", "hotfix serialized")
 ASYNCHRONOUS = ("shipped", "hotfix")
-
-
-class CannotRun(Exception):
-    """The GPU selftest cannot run here (no CUDA GPU, too few GPUs, no TransformerEngine for a
-    TE layer); the message says what to do."""
 
 
 @dataclass

@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from mfsdp_hotfix.errors import ProtocolError as ProtocolError
+
 MEGATRON_LM = "megatron-lm"
 AUTO_SYNC = "auto-sync"
 PROTOCOLS = (MEGATRON_LM, AUTO_SYNC)
@@ -43,10 +45,6 @@ DESCRIPTIONS = {
     AUTO_SYNC: "fully_shard's default: sync_model_each_microbatch=True, a full gradient "
                "synchronisation after every microbatch",
 }
-
-
-class ProtocolError(TypeError):
-    """The release lacks an API the protocol needs (the message names it)."""
 
 
 def check(protocol: str) -> str:

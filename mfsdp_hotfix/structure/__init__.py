@@ -12,21 +12,21 @@ evaluates).
 
 from __future__ import annotations
 
+import pkgutil
 from collections.abc import Callable
+from importlib import import_module
 
-from . import core_linear, double_buffer, hooks, overwrite_setter, synchronous_reductions
+
+def _recognisers() -> dict[str, Callable[[str], bool]]:
+    """Every module here that declares ``RECOGNISERS`` (its tests, in order), so that a new
+    family of functions is one new module."""
+    found: dict[str, Callable[[str], bool]] = {}
+    for info in pkgutil.iter_modules(__path__):
+        for test in getattr(import_module(f"{__name__}.{info.name}"), "RECOGNISERS", ()):
+            assert test.__name__ not in found, f"two recognisers named {test.__name__}"
+            found[test.__name__] = test
+    return found
+
 
 # Each test a registry shape names (``Shape.structure``), by that name.
-RECOGNISERS: dict[str, Callable[[str], bool]] = {test.__name__: test for test in (
-    double_buffer.drains_before_fetching,
-    double_buffer.drains_to_configured_pool_size,
-    double_buffer.drains_to_configured_pool_size_on_callers_stream,
-    hooks.lazy_and_reduces_unsharded_once,
-    hooks.lazy_and_reduces_unsharded_always,
-    overwrite_setter.always_overwrites_main_grad,
-    overwrite_setter.decides_overwrite_main_grad,
-    synchronous_reductions.reduces_every_buffer,
-    synchronous_reductions.skips_every_buffer,
-    core_linear.fsdp_wgrad_overwrites,
-    core_linear.fsdp_wgrad_follows_overwrite_main_grad,
-)}
+RECOGNISERS: dict[str, Callable[[str], bool]] = _recognisers()

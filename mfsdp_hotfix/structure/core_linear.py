@@ -62,3 +62,7 @@ def _takes_main_grad(statement: ast.stmt, weight: str | None) -> bool:
             and name_id(target.value) == weight and isinstance(value, ast.Call)
             and isinstance(value.func, ast.Attribute) and value.func.attr == "get_main_grad"
             and name_id(value.func.value) == weight and not value.args)
+
+
+# The tests the registry's shapes name (``Shape.structure``).
+RECOGNISERS = (fsdp_wgrad_overwrites, fsdp_wgrad_follows_overwrite_main_grad)

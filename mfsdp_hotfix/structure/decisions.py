@@ -9,6 +9,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+from ..errors import Unknown as Unknown
 from .syntax import name_id, name_ids
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -205,10 +206,6 @@ def _guards(parent: ast.AST, child: ast.AST) -> list[tuple[ast.expr | None, bool
         position = next(i for i, value in enumerate(parent.values) if value is child)
         return [(value, isinstance(parent.op, ast.And)) for value in parent.values[:position]]
     return []
-
-
-class Unknown(Exception):
-    """An expression :func:`evaluate` does not evaluate."""
 
 
 def evaluate(node: ast.expr, env: dict[str, object]) -> object:

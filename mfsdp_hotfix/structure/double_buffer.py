@@ -197,3 +197,8 @@ def _waits_last(statement: ast.stmt, argument: str) -> bool:
     return (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)
             and attribute_of(statement.value.func) == "wait_for_previous_grad_reduce"
             and name_ids(statement.value.args) == [argument] and not statement.value.keywords)
+
+
+# The tests the registry's shapes name (``Shape.structure``).
+RECOGNISERS = (drains_before_fetching, drains_to_configured_pool_size,
+               drains_to_configured_pool_size_on_callers_stream)

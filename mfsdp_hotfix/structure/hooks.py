@@ -107,3 +107,7 @@ def _expected(reduction: str, case: tuple[str, bool, bool, bool], with_overlap_o
 def _reduction_cases() -> list[tuple[str, bool, bool, bool]]:
     return [(strategy, overlap, last, auto) for strategy in STRATEGIES
             for overlap in (False, True) for last in (False, True) for auto in (False, True)]
+
+
+# The tests the registry's shapes name (``Shape.structure``).
+RECOGNISERS = (lazy_and_reduces_unsharded_once, lazy_and_reduces_unsharded_always)

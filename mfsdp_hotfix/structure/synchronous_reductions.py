@@ -86,3 +86,7 @@ def _loop_guard(loop: ast.For) -> str | None:
                 return None
         return None
     return None
+
+
+# The tests the registry's shapes name (``Shape.structure``).
+RECOGNISERS = (reduces_every_buffer, skips_every_buffer)
