@@ -14,7 +14,7 @@ import pytest
 import releases
 import torch
 
-from mfsdp_hotfix import coverage, detection, fix_catalogue, registry, release_defects
+from mfsdp_hotfix import detection, fix_catalogue, registry, release_defects
 from mfsdp_hotfix.selftest.runner import run_case
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
 
@@ -38,10 +38,10 @@ def test_every_release_has_its_shape(dist: str, version: str) -> None:
     found = detection.find_installed(copy, [str(releases.unpacked(dist, version))])
     assert found is not None
     shapes = detection.detect_file(copy, found, installed=False).shapes
-    shape = shapes[registry.ROOT_FORWARD]
+    shape = shapes[fix_catalogue.ROOT_FORWARD]
     assert shape is not None and shape.name == PAST_THE_HOOKS[dist, version]
     assert (FIX.id in shape.needs) is (shape.name == "0.14")
-    assert release_defects.ROOT_HOOKS_SKIPPED.fix == FIX.id
+    assert FIX.defect is not None and FIX.defect in release_defects.RELEASE_DEFECTS
 
 
 def _model(root: torch.nn.Module) -> Any:
@@ -55,9 +55,9 @@ def test_which_models_an_unrepaired_copy_refuses() -> None:
     ending_in_a_linear = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(2, 2))
     owner = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Identity())
     owner.gain = torch.nn.Parameter(torch.ones(2))  # type: ignore[attr-defined]
-    assert not coverage.root_hooks_matter(_model(with_head))
-    assert coverage.root_hooks_matter(_model(ending_in_a_linear))
-    assert coverage.root_hooks_matter(_model(owner))
+    assert not fix_catalogue._root_hooks_matter(_model(with_head))
+    assert fix_catalogue._root_hooks_matter(_model(ending_in_a_linear))
+    assert fix_catalogue._root_hooks_matter(_model(owner))
 
 
 _results: dict[str, CaseResult] = {}

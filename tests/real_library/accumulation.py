@@ -50,10 +50,11 @@ OUTER_SKIPPED = "hsdp-outer-reduce-skipped-without-overlap"
 # The hotfix's fix for each release cause.
 REPAIRED_BY = {ZERO1_OVERWRITE: "zero1-accumulate", REDUCED_TWICE: "reduce-once",
                SINGLE_RANK: "single-rank-reduce"}
-# What the hotfix leaves: the harness's auto-sync protocol (not a release defect), and the
-# release defects it neither repairs nor refuses yet (docs/ACCUMULATION.md, "What users should
-# do"); a fix or refusal for one of them must take it off this list.
-UNREPAIRED = {AUTO_SYNC_ACCUMULATION, SHARD_SCALED}
+# What the hotfix leaves: the release defects it neither repairs nor refuses yet in these rows
+# (docs/ACCUMULATION.md, "What users should do"); a fix or refusal for one of them must take it
+# off this list. The auto-sync protocol's in-place reduction is stopped since (auto-sync-stop,
+# single-rank-reduce): its rows with the hotfix are refused.
+UNREPAIRED = {SHARD_SCALED}
 CAUSES = {
     ZERO1_OVERWRITE: "release: zero1-fused-wgrad-overwrite (megatron-fsdp sets "
                      "overwrite_main_grad for ZeRO-1 too, so each microbatch's fused wgrad "

@@ -45,7 +45,7 @@ RECORD = releases.REPO / "docs" / "validation" / "never-worse-search.json"
 RELEASES = ("0.6.1", "0.6.1", "0.5.1", "0.4.0", "0.4.0", "0.3.1", "0.2.3")
 LAYOUTS = tuple(acc.STRATEGIES)
 GRAD_REDUCES = ("scale-then-sum", "per-token", "premul-sum")
-CI_SEEDS = (2, 3, 19)
+CI_SEEDS = (2, 3, 4)
 # A case's limit: a hang (a collective one rank never joins) ends there as a crash.
 TIMEOUT_S = 120.0
 VALIDATION_SEEDS = tuple(range(100))
