@@ -58,7 +58,8 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
         "missed-post-backward": "not needed",
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply", "single-rank-reduce": "would apply",
-        "core-linear-accumulate": "not needed"}
+        "core-linear-accumulate": "not needed",
+        "root-forward-hooks": "would apply", "auto-sync-stop": "would apply"}
     assert [(x["fix"], x["covered"]) for x in copy["limits"]] == [
         ("getter-guard", True), ("ordered-drain", True), ("zero1-accumulate", True),
         ("reduce-once", False), ("reduce-once", False), ("reduce-once", True),
@@ -130,7 +131,8 @@ def test_switched_off_says_off_everywhere(fsdp_release) -> None:
     assert {k: fix["state"] for k, fix in data["copies"][0]["fixes"].items()} == {
         "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed",
         "zero1-accumulate": "off",
-        "reduce-once": "off", "single-rank-reduce": "off", "core-linear-accumulate": "not needed"}
+        "reduce-once": "off", "single-rank-reduce": "off", "core-linear-accumulate": "not needed",
+        "root-forward-hooks": "off", "auto-sync-stop": "off"}
     for verbose in ((), ("--verbose",)):
         proc = run_python("", fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"},
                           args=("-m", "mfsdp_hotfix", "status", *verbose))
@@ -244,10 +246,11 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
     assert fixes == {"getter-guard": "refused", "ordered-drain": "refused",
                      "missed-post-backward": "not needed", "zero1-accumulate": "would apply",
                      "reduce-once": "would apply", "single-rank-reduce": "would apply",
-        "core-linear-accumulate": "not needed"}
+        "core-linear-accumulate": "not needed",
+        "root-forward-hooks": "would apply", "auto-sync-stop": "would apply"}
     assert [d["name"] for d in data["copies"][0]["release_defects"]] == [
         "zero1-fused-wgrad-overwrite", "unsharded-grads-reduced-twice",
-        "single-rank-grads-reduced-every-microbatch"]
+        "single-rank-grads-reduced-every-microbatch", "root-hooks-skipped"]
     assert status(root, check=False)[0] == 0
 
 
@@ -461,14 +464,15 @@ def test_a_refused_copy_is_told_what_still_applies_what_is_left_and_each_workaro
         "getter-guard": "refused", "ordered-drain": "refused",
         "missed-post-backward": "would apply", "zero1-accumulate": "would apply",
         "reduce-once": "not needed", "single-rank-reduce": "would apply",
-        "core-linear-accumulate": "not needed"}
+        "core-linear-accumulate": "not needed",
+        "root-forward-hooks": "would apply", "auto-sync-stop": "would apply"}
     line = data["verdict"]["line"]
     assert code == 1 and line.startswith(
         "affected: megatron-fsdp 0.2.3 (not recognised) — NOT protected: getter-guard, "
         "ordered-drain left as shipped (unrecognised code shape in _enforce_double_buffer_limit "
         "(fingerprint "), line
     assert ("; the hotfix still applies missed-post-backward, zero1-accumulate, "
-            "single-rank-reduce; sharded-grads-summed-unscaled is not repaired by the hotfix (it "
+            "single-rank-reduce, root-forward-hooks, auto-sync-stop; sharded-grads-summed-unscaled is not repaired by the hotfix (it "
             "hits ZeRO-2/3") in line
     assert line.endswith("; use fsdp_double_buffer=False; for sharded-grads-summed-unscaled use "
                          "calculate_per_token_loss=True (the release scales nothing; the loss "
