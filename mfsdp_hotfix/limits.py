@@ -112,12 +112,24 @@ def summed_over_one_shard_rank(model: Any) -> bool:
                and group.main_grad_buffer.gradient_scaling_factor is None for group in groups)
 
 
+def _averaged_over_one_shard_rank(model: Any) -> bool:
+    """Every gradient buffer is reduced over a DP-Shard group of one rank, and scaled (an
+    average, not calculate_per_token_loss's SUM)."""
+    groups = [group for group in model.param_and_grad_buffer.parameter_groups
+              if group.main_grad_buffer is not None]
+    return all(group.main_grad_buffer.data_parallel_group.size() == 1
+               and group.main_grad_buffer.gradient_scaling_factor is not None
+               for group in groups)
+
+
 def reduced_in_place(model: Any) -> str | None:
     """What of ``model`` (a built ``MegatronFSDP``) each gradient synchronisation reduces in
     place, in words (HSDP's DP-Outer all-reduce; an unsharded buffer over two or more ranks,
     or scaled at each reduction); None where a reduction of an accumulated buffer is right."""
     if replicated_over_outer_group(model):
-        return "HSDP's all-reduce over DP-Outer"
+        # Over a one-rank DP-Shard group, what an averaging all-reduce over DP-Outer reduces
+        # again is the same on every rank, so it comes back unchanged; a SUM doubles it.
+        return None if _averaged_over_one_shard_rank(model) else "HSDP's all-reduce over DP-Outer"
     if model.ddp_config.data_parallel_sharding_strategy in SHARDED_GRADS:
         return None
     for group in model.param_and_grad_buffer.parameter_groups:
