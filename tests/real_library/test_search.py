@@ -32,10 +32,16 @@ def test_each_recorded_seed_is_this_codes_draw() -> None:
 
 def test_every_recorded_configuration_is_exact_or_refused_and_never_worse() -> None:
     """With the hotfix: exact, refused before training (or at the point the defect would
-    strike), or not runnable on that release as shipped either; never worse than shipped."""
+    strike), or not runnable on that release as shipped either; never worse than shipped. A
+    configuration still wrong with the hotfix is wrong as shipped alike, and only by a defect
+    the accumulation grid lists as left (``accumulation.UNREPAIRED``), which it names."""
     rows = _rows()
     for row in rows:
         assert row["verdict"] == search.verdict(row["shipped"], row["hotfix"]), row["seed"]
+        if row["verdict"] == search.NOT_EXACT:
+            causes = set(row["hotfix"]["cause"])
+            assert causes and causes <= acc.UNREPAIRED, (row["seed"], row["id"], causes)
+            continue
         assert row["verdict"] == search.OK, (row["seed"], row["id"], row["hotfix"]["exception"])
     assert {row["shipped"]["outcome"] for row in rows} >= {acc.EXACT, acc.WRONG}
 
@@ -59,6 +65,6 @@ def test_the_doc_shows_the_records_summary() -> None:
 def test_a_rerun_of_a_seed_gives_its_recorded_outcomes(seed: int) -> None:
     row = search.measure(seed)
     recorded = search.load_record()["rows"][str(seed)]
-    assert row["verdict"] == search.OK, row
+    assert row["verdict"] in (search.OK, search.NOT_EXACT), row
     for run in ("shipped", "hotfix"):
         assert row[run]["outcome"] == recorded[run]["outcome"], (seed, run, row[run])
