@@ -220,9 +220,11 @@ VERSIONS = set().union(*RELEASES.values()) | {
 }
 # NVIDIA/Megatron-LM PRs: #4054 #5222 #5657 #5865 #6187 #6316 #6317 #6318 #6357 #6665 #6773 have
 # refs in the clone (refs/pull/N/head, or merged on main); #7001 and #7101 were opened after it
-# was taken (docs/MEGATRON_FSDP_V2.md says so). ROCm/Megatron-LM #146; PyTorch #125484.
-UPSTREAM_PRS = {"#146", "#4054", "#5222", "#5657", "#5865", "#6187", "#6316", "#6317", "#6318",
-                "#6357", "#6665", "#6773", "#7001", "#7101", "#125484"}
+# was taken (docs/MEGATRON_FSDP_V2.md says so); #5808 (merged 2026-07-14, released in
+# megatron-fsdp 0.6.0 / megatron-core 0.19.0) fixes the issue #5789. ROCm/Megatron-LM #146;
+# PyTorch #125484.
+UPSTREAM_PRS = {"#146", "#4054", "#5222", "#5657", "#5789", "#5808", "#5865", "#6187", "#6316",
+                "#6317", "#6318", "#6357", "#6665", "#6773", "#7001", "#7101", "#125484"}
 # Commits: NVIDIA main and the PR heads as the clone has them (d98e8a64dd main, f7b65d4a2e
 # #6316, a932341e12 #6317, aea2db8a7c #6318, 1c2b310fd1 #6665, d732aa1e2e #5657); the others
 # are ROCm/Megatron-LM's.

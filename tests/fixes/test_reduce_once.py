@@ -30,10 +30,18 @@ from mfsdp_hotfix.structure import hooks, overwrite_setter, synchronous_reductio
 RELEASE_CONDITION = "if grad_reduce_every_bprop or is_last_microbatch or self.model_auto_sync:"
 
 
-def pipeline(strategy: str, overlap: bool) -> Any:
+def pipeline(strategy: str, overlap: bool, outer: int = 1) -> Any:
     config = SimpleNamespace(data_parallel_sharding_strategy=strategy,
                              overlap_grad_reduce=overlap)
-    return SimpleNamespace(buffer=SimpleNamespace(ddp_config=config))
+    index = SimpleNamespace(use_hybrid_fsdp=outer > 1,
+                            get_outer_fsdp_group=lambda: SimpleNamespace(size=lambda: outer))
+    return SimpleNamespace(buffer=SimpleNamespace(ddp_config=config, dist_index=index))
+
+
+@pytest.mark.parametrize("strategy", ["optim", "no_shard"])
+def test_under_hsdp_the_hooks_keep_the_reduction_that_carries_dp_outer(strategy: str) -> None:
+    assert reduce_once.reduced_in_finish_grad_sync(pipeline(strategy, False, outer=1), BOTH)
+    assert not reduce_once.reduced_in_finish_grad_sync(pipeline(strategy, False, outer=2), BOTH)
 
 
 BOTH = frozenset({"optim", "no_shard"})

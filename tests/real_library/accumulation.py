@@ -52,7 +52,9 @@ REPAIRED_BY = {ZERO1_OVERWRITE: "zero1-accumulate", REDUCED_TWICE: "reduce-once"
                SINGLE_RANK: "single-rank-reduce"}
 # What the hotfix leaves: the release defects it neither repairs nor refuses yet in these rows
 # (docs/ACCUMULATION.md, "What users should do"); a fix or refusal for one of them must take it
-# off this list. The auto-sync protocol's in-place reduction is stopped since (auto-sync-stop,
+# off this list. SHARD_SCALED is refused when a model is built with
+# gradient_reduce_div_fusion=False, but this harness turns it off after the model is built
+# (selftest/wrapping.py), which that refusal cannot see. The auto-sync protocol's in-place reduction is stopped since (auto-sync-stop,
 # single-rank-reduce): its rows with the hotfix are refused.
 UNREPAIRED = {SHARD_SCALED}
 CAUSES = {
@@ -308,7 +310,7 @@ CI_CASES = tuple(
 # Four ranks (or HSDP): the reductions add the terms in another order than the reference.
 FOUR_RANKS = 1e-6
 # Experts: each rank's expert weight gradient is one product over every rank's tokens, the
-# reference's a sum of one product per rank.
+# reference's a sum of one product per rank. A parameter used twice: the same bound.
 EXPERTS = 1e-6
 BF16_RELATIVE = 2.0 ** -6  # as in configurations.py
 
@@ -320,8 +322,14 @@ def equal(case: Case, run: dict[str, Any]) -> bool:
         return bool(run["max_rel_grad_error"] <= BF16_RELATIVE)
     layout = STRATEGIES[case.layout]
     tolerance = (FOUR_RANKS if layout.get("world", 2) == 4 or layout.get("outer", 1) > 1
-                 else EXPERTS if layout.get("experts") else 0.0)
+                 else EXPERTS if layout.get("experts") or _used_twice(case) else 0.0)
     return bool(run["max_abs_grad_error"] <= tolerance)
+
+
+def _used_twice(case: Case) -> bool:
+    """The root's gain is used before and after the units: autograd adds its two
+    contributions in an order the reference's (a loss summed over ranks) need not share."""
+    return {"root-before", "root-after"} <= set(case.outside.split("+"))
 
 
 def _release(case: Case) -> tuple[int, ...]:

@@ -33,12 +33,15 @@ def test_each_recorded_seed_is_this_codes_draw() -> None:
 def test_every_recorded_configuration_is_exact_or_refused_and_never_worse() -> None:
     """With the hotfix: exact, refused before training (or at the point the defect would
     strike), or not runnable on that release as shipped either; never worse than shipped. A
-    configuration still wrong with the hotfix is wrong as shipped alike, and only by a defect
-    the accumulation grid lists as left (``accumulation.UNREPAIRED``), which it names."""
+    configuration still wrong with the hotfix is so only by a defect the accumulation grid
+    lists as left (``accumulation.UNREPAIRED``: the scale-then-sum defect of 0.2.x, whose
+    refusal at construction this harness's late setting hides; there a crash as shipped, a
+    root-owned parameter under ZeRO-3, becomes that defect's wrong gradients)."""
     rows = _rows()
     for row in rows:
         assert row["verdict"] == search.verdict(row["shipped"], row["hotfix"]), row["seed"]
-        if row["verdict"] == search.NOT_EXACT:
+        if row["verdict"] in (search.NOT_EXACT, search.WORSE) and row["shipped"][
+                "outcome"] != acc.EXACT:
             causes = set(row["hotfix"]["cause"])
             assert causes and causes <= acc.UNREPAIRED, (row["seed"], row["id"], causes)
             continue
@@ -65,6 +68,6 @@ def test_the_doc_shows_the_records_summary() -> None:
 def test_a_rerun_of_a_seed_gives_its_recorded_outcomes(seed: int) -> None:
     row = search.measure(seed)
     recorded = search.load_record()["rows"][str(seed)]
-    assert row["verdict"] in (search.OK, search.NOT_EXACT), row
+    assert row["verdict"] == recorded["verdict"], row
     for run in ("shipped", "hotfix"):
         assert row[run]["outcome"] == recorded[run]["outcome"], (seed, run, row[run])
