@@ -54,8 +54,9 @@ REPAIRED_BY = {ZERO1_OVERWRITE: "zero1-accumulate", REDUCED_TWICE: "reduce-once"
 # (docs/ACCUMULATION.md, "What users should do"); a fix or refusal for one of them must take it
 # off this list. SHARD_SCALED is refused when a model is built with
 # gradient_reduce_div_fusion=False, but this harness turns it off after the model is built
-# (selftest/wrapping.py), which that refusal cannot see. The auto-sync protocol's in-place reduction is stopped since (auto-sync-stop,
-# single-rank-reduce): its rows with the hotfix are refused.
+# (selftest/wrapping.py), which that refusal cannot see. The auto-sync protocol's in-place
+# reduction is stopped since (auto-sync-stop, single-rank-reduce): its rows with the hotfix
+# are refused.
 UNREPAIRED = {SHARD_SCALED}
 CAUSES = {
     ZERO1_OVERWRITE: "release: zero1-fused-wgrad-overwrite (megatron-fsdp sets "
