@@ -137,7 +137,7 @@ def test_status_says_which_function_matched_which_shape_and_how(tmp_path: Path) 
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply",
         "single-rank-reduce": "would apply", "core-linear-accumulate": "not needed",
-        "root-forward-hooks": "not needed", "auto-sync-stop": "would apply"}
+        "root-forward-hooks": "would apply", "auto-sync-stop": "would apply"}
     text = _status(root, "--verbose")
     assert ("main_grad_getter: drains before fetching, recognised by structure (guarded)"
             in text)
@@ -157,7 +157,7 @@ def test_status_of_a_git_snapshot_says_it_is_judged_by_its_code(tmp_path: Path) 
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply",
         "single-rank-reduce": "would apply", "core-linear-accumulate": "not needed",
-        "root-forward-hooks": "not needed", "auto-sync-stop": "would apply"}
+        "root-forward-hooks": "would apply", "auto-sync-stop": "would apply"}
 
 
 def test_pr6316_drain_is_recognised_by_its_structure_with_the_pool_size_from_the_config(
