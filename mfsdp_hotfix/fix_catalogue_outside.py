@@ -1,6 +1,6 @@
 """The fixes of release defects outside Megatron-FSDP's gradient buffer and its reductions, each
 whole in one entry as in ``fix_catalogue.py`` (which lists them with the others): megatron-core's
-TE op-fuser experts, ``fully_shard_optimizer``'s warm-up step, the root module's own parameters,
+TE op-fuser experts, ``fully_shard_optimizer``'s warm-up step, the root module's own hooks,
 and no_shard's gradient statistics."""
 
 from __future__ import annotations
