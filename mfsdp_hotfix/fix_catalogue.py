@@ -24,6 +24,7 @@ from .limits import (
     fused_core_linears,
     has_one_rank_gradient_group,
     hsdp_without_overlap,
+    reduced_in_place,
     sharded,
     without_overlap,
 )
@@ -260,9 +261,9 @@ CORE_LINEAR_FUSED_WGRAD_OVERWRITE = ReleaseDefect(
      "ZeRO-2 or ZeRO-3 (optim_grads, optim_grads_params)",
      "one microbatch per optimizer step"),
     CORE_LINEAR_UPSTREAM,
-    "megatron-core 0.14.0, whose Megatron-FSDP sets no overwrite_main_grad, so the fix has "
-    "nothing to follow there: its ZeRO-1 through these layers stays wrong, and building such a "
-    "model is refused (UnsupportedConfiguration); use a workaround",
+    # megatron-core 0.14.0's Megatron-FSDP sets no overwrite_main_grad: the fix adds where the
+    # weight's gradient buffer is not distributed, as TransformerEngine does.
+    "",
 )
 CORE_LINEAR_ACCUMULATE = Fix(
     "core-linear-accumulate",
@@ -282,27 +283,40 @@ CORE_LINEAR_ACCUMULATE = Fix(
                                  and fused_core_linears(model)),
                   CORE_LINEAR_FUSED_WGRAD_OVERWRITE.symptom
                   + ", with 2 or more microbatches per step",
-                  " or ".join(CORE_LINEAR_FUSED_WGRAD_OVERWRITE.workarounds)),
-            # The defect's "not covered": a Megatron-FSDP that sets no overwrite_main_grad gives
-            # the fix nothing to follow.
-            Limit("ZeRO-1 (optim) with megatron-core's own linear layers and "
-                  "gradient_accumulation_fusion, on a Megatron-FSDP that sets no "
-                  "overwrite_main_grad (megatron-core 0.14.0)",
-                  lambda model: (model.ddp_config.data_parallel_sharding_strategy == "optim"
-                                 and fused_core_linears(model)),
-                  CORE_LINEAR_FUSED_WGRAD_OVERWRITE.symptom
-                  + ", with 2 or more microbatches per step",
-                  " or ".join(CORE_LINEAR_FUSED_WGRAD_OVERWRITE.workarounds),
-                  repaired=False, shape=(OVERWRITE_SETTER, "0.14"))),
+                  " or ".join(CORE_LINEAR_FUSED_WGRAD_OVERWRITE.workarounds)),),
     on_failure=OnFailure.STOP,
     stop_because="let megatron-core's fused linear overwrite the ZeRO-1 gradients of every "
                  "later microbatch",
+)
+
+
+def _auto_sync_in_place(model: object) -> bool:
+    return bool(model.model_auto_sync  # type: ignore[attr-defined]
+                and reduced_in_place(model) is not None)
+
+
+AUTO_SYNC_STOP = Fix(
+    "auto-sync-stop",
+    "with model auto-sync (sync_model_each_microbatch=True) and a gradient buffer reduced in "
+    "place (ZeRO-1 or no_shard over 2 or more ranks, HSDP), a second microbatch before "
+    "zero_grad_buffer stops the step instead of reducing the reduced sum again",
+    "auto_sync_stop", MODEL,
+    "never: every release and NVIDIA main reduce such a buffer in place",
+    "not fixed upstream as of megatron-core 0.19.2 / megatron-fsdp 0.6.1 and NVIDIA main: the "
+    "release warns that the buffer must then be zeroed every microbatch",
+    limits=(Limit("model auto-sync (sync_model_each_microbatch=True) with a gradient buffer "
+                  "reduced in place (ZeRO-1 or no_shard over 2 or more ranks, HSDP)",
+                  _auto_sync_in_place,
+                  "silently wrong gradients with 2 or more microbatches per step: each "
+                  "microbatch's synchronisation reduces the microbatches already reduced again",
+                  "accumulate under no_sync() with sync_model_each_microbatch=False "
+                  "(Megatron-LM's protocol), or one microbatch per optimizer step"),),
 )
 # The double buffer's fixes (the eras); the others repair release defects outside it and rest on
 # none of the double buffer's functions, so they apply to a copy refused for those.
 DOUBLE_BUFFER_FIXES = (GETTER_GUARD, ORDERED_DRAIN, MISSED_POST_BACKWARD)
 FIXES = (*DOUBLE_BUFFER_FIXES, ZERO1_ACCUMULATE, REDUCE_ONCE, SINGLE_RANK_REDUCE,
-         CORE_LINEAR_ACCUMULATE, *OUTSIDE_THE_BUFFER)
+         CORE_LINEAR_ACCUMULATE, *OUTSIDE_THE_BUFFER, AUTO_SYNC_STOP)
 FIX_IDS = frozenset(fix.id for fix in FIXES)
 # Every gate: where it is read (``Copy.module``) and its known shapes, the registry's and those a
 # fix declares.

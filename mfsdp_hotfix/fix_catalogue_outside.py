@@ -1,6 +1,6 @@
 """The fixes of release defects outside Megatron-FSDP's gradient buffer and its reductions, each
 whole in one entry as in ``fix_catalogue.py`` (which lists them with the others): megatron-core's
-TE op-fuser experts, ``fully_shard_optimizer``'s warm-up step, the root module's own parameters,
+TE op-fuser experts, ``fully_shard_optimizer``'s warm-up step, the root module's own hooks,
 and no_shard's gradient statistics."""
 
 from __future__ import annotations
@@ -118,40 +118,70 @@ INERT_WARM_UP = Fix(
     stop_because="train from weights and optimizer state a zero-gradient step has moved",
 )
 
-ROOT_FORWARD_UPSTREAM = ("NVIDIA/Megatron-LM#5808, first released in megatron-core 0.19.0 / "
-                         "megatron-fsdp 0.6.0")
-ROOT_PARAMETERS_NOT_GATHERED = ReleaseDefect(
-    "root-parameters-not-gathered",
+ROOT_FORWARD = "MegatronFSDP.forward"  # calls the root module past its hooks, or through them
+ROOT_HOOKS_SKIPPED = ReleaseDefect(
+    "root-hooks-skipped",
     "root-forward-hooks",
     {"megatron-fsdp": "0.1.0-0.5.1", "megatron-core": "0.14.0-0.18.2"},
-    "any copy whose MegatronFSDP.forward calls self.module.forward(...)",
-    "a wrapped module that owns a parameter itself and uses it in forward, ZeRO-1/2/3",
-    "ZeRO-3: the root's forward reads freed storage (SIGSEGV); ZeRO-1/2: silently wrong "
-    "outputs and gradients (the parameter is not synchronised after the optimizer step)",
-    ("move the parameter into a child module", "no_shard"),
-    ROOT_FORWARD_UPSTREAM, "",
+    "any copy whose MegatronFSDP.forward calls self.module.forward(...) (git installs of NVIDIA "
+    "main before NVIDIA/Megatron-LM#5808, forks based on those releases)",
+    "a wrapped module that owns a parameter itself (not through a child) and uses it in "
+    "forward, with ZeRO-1, ZeRO-2 or ZeRO-3; and a model whose module registered last is not "
+    "the last to run in forward: no parameter-free module registered after everything else, "
+    "e.g. a model ending in a pre-norm block, or a root-level linear or norm outside every "
+    "FSDP unit registered after the units but run before them (any strategy, number of ranks "
+    "and microbatches)",
+    "the root's own hooks are skipped. Its pre-forward hook does not gather the parameters the "
+    "root owns: with ZeRO-3 the root's forward reads freed storage (SIGSEGV), with ZeRO-1/2 a "
+    "copy not synchronised after the optimizer step (silently wrong outputs and gradients). "
+    "The root pre-backward hook, hung on the module registered last instead of the root, fires "
+    "in the middle of backward and marks every gradient as still to be handled: the gradients "
+    "of the modules that ran backward before it are handled and reduced again (silently wrong "
+    "gradients; 'Found 2 out of 3 parameters ... pipeline is being reset'; gloo timeouts; with "
+    "the double buffer unzeroed slot contents or 'No buffer found for bucket_id')",
+    ("register a parameter-free module last, run last (e.g. an nn.Identity head applied to "
+     "the output), and keep no parameter on the root module itself (move it into a child "
+     "module)",
+     "megatron-fsdp >= 0.6.0 / megatron-core >= 0.19.0"),
+    "NVIDIA/Megatron-LM#5808 (for #5789), first released in megatron-core 0.19.0 / "
+    "megatron-fsdp 0.6.0",
+    "",
 )
+
+
+def root_hooks_matter(model: object) -> bool:
+    """Whether the root module of ``model`` (a built ``MegatronFSDP``) owns parameters, or its
+    module registered last has parameters (so may not be the last to run in forward): where the
+    release's forward leaves the root's own parameters ungathered, or its root pre-backward
+    hook, hung on that module, can fire in the middle of backward."""
+    root = model.module  # type: ignore[attr-defined]
+    last = list(root.modules())[-1]
+    return any(True for _ in root.parameters(recurse=False)) or any(
+        True for _ in last.parameters())
+
+
 ROOT_FORWARD_HOOKS = Fix(
     "root-forward-hooks",
-    "MegatronFSDP.forward runs a wrapped module that owns a parameter through "
-    "nn.Module.__call__, so the hooks that gather that parameter run",
+    "MegatronFSDP.forward calls the root module through its hooks, so the parameters the root "
+    "owns are gathered before its forward and the root pre-backward hook fires first in "
+    "backward, not when the module registered last runs backward",
     "root_forward_hooks", MODEL,
-    "its MegatronFSDP.forward runs the wrapped module through nn.Module.__call__",
-    ROOT_FORWARD_UPSTREAM,
-    gate="MegatronFSDP.forward", gate_module=MODEL,
+    "its MegatronFSDP.forward calls the root module through its hooks "
+    "(NVIDIA/Megatron-LM#5808)",
+    ROOT_HOOKS_SKIPPED.upstream,
+    gate=ROOT_FORWARD, gate_module=MODEL,
+    # megatron-fsdp 0.1.0-0.5.1 / megatron-core 0.14-0.18 call self.module.forward(...);
+    # 0.6.0 / 0.19.0 call self.module(...) (NVIDIA/Megatron-LM#5808).
     gate_shapes=(
         Shape("0.14", "f8429a53bd8e0357dfbbbc7775f24000af02638f0387024f887d0123a4f81ac7",
               needs=frozenset({"root-forward-hooks"})),
         Shape("0.19", "cf59d8b762cca4bac814453d482817c4b17f3eefc715b1df46a1f92b3e12959d",
-              note="runs the wrapped module through nn.Module.__call__")),
-    defect=ROOT_PARAMETERS_NOT_GATHERED,
-    limits=(Limit("a wrapped module that owns a parameter itself, with ZeRO-1, ZeRO-2 or ZeRO-3",
-                  lambda model: (model.ddp_config.data_parallel_sharding_strategy != "no_shard"
-                                 and any(True for _ in model.module.parameters(recurse=False))),
-                  ROOT_PARAMETERS_NOT_GATHERED.symptom,
-                  " or ".join(ROOT_PARAMETERS_NOT_GATHERED.workarounds)),),
-    on_failure=OnFailure.STOP,
-    stop_because="run the root module's forward on parameters that were never gathered",
+              note="calls the root module through its hooks")),
+    defect=ROOT_HOOKS_SKIPPED,
+    limits=(Limit("a root module that owns parameters, or whose module registered last has "
+                  "parameters (it may not be the last to run in forward)",
+                  root_hooks_matter, ROOT_HOOKS_SKIPPED.symptom,
+                  " or ".join(ROOT_HOOKS_SKIPPED.workarounds)),),
 )
 
 OPTIMIZER_MODULE = "megatron.core.optimizer"

@@ -101,12 +101,60 @@ def without_overlap(strategy: str) -> Callable[[Any], bool]:
                           and not model.ddp_config.overlap_grad_reduce)
 
 
+def replicated_over_outer_group(model: Any) -> bool:
+    """HSDP: a DP-Outer group of 2 or more ranks, replicated over it."""
+    return bool(model.dist_index.use_hybrid_fsdp
+                and model.ddp_config.outer_dp_sharding_strategy == "no_shard"
+                and model.dist_index.get_outer_fsdp_group().size() > 1)
+
+
+def summed_over_one_shard_rank(model: Any) -> bool:
+    """Every gradient buffer is reduced over a DP-Shard group of one rank, unscaled (a SUM:
+    calculate_per_token_loss): a second reduction there changes nothing."""
+    groups = [group for group in model.param_and_grad_buffer.parameter_groups
+              if group.main_grad_buffer is not None]
+    return all(group.main_grad_buffer.data_parallel_group.size() == 1
+               and group.main_grad_buffer.gradient_scaling_factor is None for group in groups)
+
+
+def _averaged_over_one_shard_rank(model: Any) -> bool:
+    """Every gradient buffer is reduced over a DP-Shard group of one rank, and scaled (an
+    average, not calculate_per_token_loss's SUM)."""
+    groups = [group for group in model.param_and_grad_buffer.parameter_groups
+              if group.main_grad_buffer is not None]
+    return all(group.main_grad_buffer.data_parallel_group.size() == 1
+               and group.main_grad_buffer.gradient_scaling_factor is not None
+               for group in groups)
+
+
+def reduced_in_place(model: Any) -> str | None:
+    """What of ``model`` (a built ``MegatronFSDP``) each gradient synchronisation reduces in
+    place, in words (HSDP's DP-Outer all-reduce; an unsharded buffer over two or more ranks,
+    or scaled at each reduction); None where a reduction of an accumulated buffer is right."""
+    if replicated_over_outer_group(model):
+        # Over a one-rank DP-Shard group, what an averaging all-reduce over DP-Outer reduces
+        # again is the same on every rank, so it comes back unchanged; a SUM doubles it.
+        return None if _averaged_over_one_shard_rank(model) else "HSDP's all-reduce over DP-Outer"
+    if model.ddp_config.data_parallel_sharding_strategy in SHARDED_GRADS:
+        return None
+    for group in model.param_and_grad_buffer.parameter_groups:
+        grads = group.main_grad_buffer
+        if grads is None:
+            continue
+        if grads.data_parallel_group.size() > 1:
+            return "an unsharded buffer over two or more data-parallel ranks"
+        if grads.gradient_scaling_factor not in (None, 1.0):
+            return "an unsharded buffer scaled at each reduction"
+    return None
+
+
 def hsdp_without_overlap(strategy: str) -> Callable[[Any], bool]:
-    """HSDP (a DP-Outer group of 2 or more ranks, replicated over it) with ``strategy`` and
-    ``overlap_grad_reduce=False``."""
-    return lambda model: (without_overlap(strategy)(model) and model.dist_index.use_hybrid_fsdp
-                          and model.ddp_config.outer_dp_sharding_strategy == "no_shard"
-                          and model.dist_index.get_outer_fsdp_group().size() > 1)
+    """HSDP (:func:`replicated_over_outer_group`) with ``strategy`` and
+    ``overlap_grad_reduce=False``, but where the release's second reduction, over a DP-Shard
+    group of one rank and unscaled, changes nothing (the hooks' reduction, which carries the
+    DP-Outer all-reduce, is then right as shipped; reduce-once leaves it under HSDP)."""
+    return lambda model: (without_overlap(strategy)(model) and replicated_over_outer_group(model)
+                          and not summed_over_one_shard_rank(model))
 
 
 UNSHARDED = {"optim": "ZeRO-1 (optim)", "no_shard": "no_shard"}

@@ -220,7 +220,9 @@ VERSIONS = set().union(*RELEASES.values()) | {
 }
 # NVIDIA/Megatron-LM PRs: #4054 #5222 #5657 #5865 #6187 #6316 #6317 #6318 #6357 #6665 #6773 have
 # refs in the clone (refs/pull/N/head, or merged on main); #7001 and #7101 were opened after it
-# was taken (docs/MEGATRON_FSDP_V2.md says so). ROCm/Megatron-LM #146; PyTorch #125484.
+# was taken (docs/MEGATRON_FSDP_V2.md says so); #5808 (merged 2026-07-14, released in
+# megatron-fsdp 0.6.0 / megatron-core 0.19.0) fixes the issue #5789. ROCm/Megatron-LM #146;
+# PyTorch #125484.
 UPSTREAM_PRS = {"#146", "#4054", "#5222", "#5657", "#5865", "#6187", "#6316", "#6317", "#6318",
                 "#6357", "#6665", "#6773", "#7001", "#7101", "#125484",
                 # issues and PRs read in the issues corpus (RELEASE_DEFECTS.md's second wave)

@@ -40,7 +40,7 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
     assert code == 1 and data["verdict"]["protected"] is False
     assert unfixed.startswith("megatron-fsdp 0.5.1 at ") and unfixed.endswith(
         ": getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce, "
-        "inert-warm-up, root-forward-hooks would apply, but "
+        "inert-warm-up, root-forward-hooks, auto-sync-stop would apply, but "
         + reporting.UNPROTECTING["not loaded"])
     armed_code, armed = status(Path(ARMED), fsdp_release("0.5.1"))
     assert armed_code == 0 and armed["unfixed"] == [] and armed["verdict"]["protected"] is True
@@ -59,11 +59,13 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply", "single-rank-reduce": "would apply",
         "core-linear-accumulate": "not needed", "inert-warm-up": "would apply",
-        "root-forward-hooks": "would apply", "replicated-grad-stats": "not needed"}
+        "root-forward-hooks": "would apply", "replicated-grad-stats": "not needed",
+        "auto-sync-stop": "would apply"}
     assert [(x["fix"], x["covered"]) for x in copy["limits"]] == [
         ("getter-guard", True), ("ordered-drain", True), ("zero1-accumulate", True),
         ("reduce-once", False), ("reduce-once", False), ("reduce-once", True),
-        ("reduce-once", True), ("single-rank-reduce", True), ("root-forward-hooks", True)]
+        ("reduce-once", True), ("single-rank-reduce", True), ("root-forward-hooks", True),
+        ("auto-sync-stop", True)]
     assert [x["configuration"] for x in copy["limits"] if not x["covered"]] == [
         "HSDP with ZeRO-1 (optim) and overlap_grad_reduce=False",
         "HSDP with no_shard and overlap_grad_reduce=False"]
@@ -80,7 +82,10 @@ def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
         "wgrad accumulation": True,
         "ZeRO-2/3 (optim_grads, optim_grads_params) with fsdp_double_buffer=True": True,
         "ZeRO-3 (optim_grads_params) with fsdp_double_buffer=True": True,
-        "a wrapped module that owns a parameter itself, with ZeRO-1, ZeRO-2 or ZeRO-3": True,
+        "a root module that owns parameters, or whose module registered last has parameters "
+        "(it may not be the last to run in forward)": True,
+        "model auto-sync (sync_model_each_microbatch=True) with a gradient buffer reduced in "
+        "place (ZeRO-1 or no_shard over 2 or more ranks, HSDP)": True,
         "ZeRO-1 (optim)": True,
         "ZeRO-2/3 (optim_grads, optim_grads_params) with a gradient buffer whose data-parallel "
         "group has one rank (data-parallel size 1; experts with expert-parallel size equal to "
@@ -115,7 +120,7 @@ def test_a_release_defect_no_fix_repairs_fails_the_check(fsdp_release) -> None:
     proc = run_python("", ARMED, fsdp_release("0.2.3"), args=("-m", "mfsdp_hotfix", "status"))
     assert next(line for line in proc.stdout.splitlines() if line.startswith("- ")) == (
         "- megatron-fsdp 0.2.3 (era A): getter-guard, ordered-drain, missed-post-backward, "
-        "zero1-accumulate, single-rank-reduce, root-forward-hooks would apply; "
+        "zero1-accumulate, single-rank-reduce, root-forward-hooks, auto-sync-stop would apply; "
         "sharded-grads-summed-unscaled NOT "
         "repaired; for "
         "sharded-grads-summed-unscaled use calculate_per_token_loss=True (the release scales "
@@ -137,7 +142,8 @@ def test_switched_off_says_off_everywhere(fsdp_release) -> None:
         "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed",
         "zero1-accumulate": "off",
         "reduce-once": "off", "single-rank-reduce": "off", "core-linear-accumulate": "not needed",
-        "inert-warm-up": "off", "root-forward-hooks": "off", "replicated-grad-stats": "not needed"}
+        "inert-warm-up": "off", "root-forward-hooks": "off", "replicated-grad-stats": "not needed",
+        "auto-sync-stop": "off"}
     for verbose in ((), ("--verbose",)):
         proc = run_python("", fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"},
                           args=("-m", "mfsdp_hotfix", "status", *verbose))
@@ -164,13 +170,16 @@ def test_switched_off_leaves_unfixed_only_what_the_copy_needs(fsdp_release, vers
     # own parameters (before 0.6.0); only the latter limits a model's configuration
     warm_up = ["inert-warm-up"] if version != "0.1.0" else []
     root = ["root-forward-hooks"] if version != "0.6.1" else []
+    # and auto-sync-stop, which every release needs (its limit: model auto-sync with a buffer
+    # reduced in place)
+    auto_sync = ["auto-sync-stop"]
     # and 0.1.0's defect that no fix repairs (docs/OLDEST_RELEASES.md)
     unrepaired = ["sharded-grads-summed-unscaled"] if version == "0.1.0" else []
     assert code == 1 and list(dict.fromkeys(x["fix"] or x["defect"] for x in copy["limits"])) == (
-        needed + outside + root + unrepaired)
+        needed + outside + root + auto_sync + unrepaired)
     fixes = [line for line in data["unfixed"] if ": release defect " not in line]
     assert [line.rsplit(": ", 1)[1].split()[0] for line in fixes] == (
-        needed + outside + warm_up + root)
+        needed + outside + warm_up + root + auto_sync)
     assert len(data["unfixed"]) == len(fixes) + len(unrepaired)
     if version == "0.6.1":
         assert ">=" not in json.dumps(copy["limits"]), copy["limits"]
@@ -236,8 +245,9 @@ def test_the_verdict_of_a_switched_off_install(fsdp_release) -> None:
                     "megatron-fsdp 0.4.0 and later / megatron-core 0.17 and later",
                     "instead: for optimizer-warm-up-step use optimizer.state.clear() right after "
                     "fully_shard_optimizer, where no checkpoint is loaded",
-                    "instead: for root-parameters-not-gathered use move the parameter into a "
-                    "child module"]}
+                    "instead: for root-hooks-skipped use register a parameter-free module last, "
+                    "run last (e.g. an nn.Identity head applied to the output), and keep no "
+                    "parameter on the root module itself (move it into a child module)"]}
 
 
 def test_the_api_answers_for_this_process(fsdp_release) -> None:
@@ -249,7 +259,7 @@ def test_the_api_answers_for_this_process(fsdp_release) -> None:
         "affected": True, "protected": True,
         "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active",
         "details": ["applies ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce, "
-                    "inert-warm-up",
+                    "inert-warm-up, auto-sync-stop",
                     REFUSES_HSDP]}
 
 
@@ -275,11 +285,12 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
                      "missed-post-backward": "not needed", "zero1-accumulate": "would apply",
                      "reduce-once": "would apply", "single-rank-reduce": "would apply",
         "core-linear-accumulate": "not needed", "inert-warm-up": "would apply",
-        "root-forward-hooks": "would apply", "replicated-grad-stats": "not needed"}
+        "root-forward-hooks": "would apply", "replicated-grad-stats": "not needed",
+        "auto-sync-stop": "would apply"}
     assert [d["name"] for d in data["copies"][0]["release_defects"]] == [
         "zero1-fused-wgrad-overwrite", "unsharded-grads-reduced-twice",
         "single-rank-grads-reduced-every-microbatch", "optimizer-warm-up-step",
-        "root-parameters-not-gathered"]
+        "root-hooks-skipped"]
     assert status(root, check=False)[0] == 0
 
 
@@ -302,12 +313,13 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
     assert lines[:4] == [
         "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed",
         "  applies getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce, "
-        "inert-warm-up, root-forward-hooks",
+        "inert-warm-up, root-forward-hooks, auto-sync-stop",
         "  refused at model construction, if you build: HSDP with ZeRO-1 (optim) and "
         "overlap_grad_reduce=False (no fix makes it right): use overlap_grad_reduce=True (the "
         "default)",
         "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate, "
-        f"reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks would apply; at "
+        "reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks, auto-sync-stop "
+        f"would apply; at "
         f"{fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
     assert lines[4].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
                              "on PYTHONPATH") and len(lines) == 6, lines
@@ -554,7 +566,7 @@ def test_a_refused_copy_is_told_what_still_applies_what_is_left_and_each_workaro
         "reduce-once": "not needed", "single-rank-reduce": "would apply",
         "core-linear-accumulate": "not needed", "expert-accumulate": "not needed",
         "inert-warm-up": "not needed", "root-forward-hooks": "would apply",
-        "replicated-grad-stats": "not needed"}
+        "replicated-grad-stats": "not needed", "auto-sync-stop": "would apply"}
     line, details = data["verdict"]["line"], data["verdict"]["details"]
     assert code == 1 and line == (
         "affected: megatron-fsdp (not recognised) — NOT protected: left as shipped and more "
@@ -563,7 +575,7 @@ def test_a_refused_copy_is_told_what_still_applies_what_is_left_and_each_workaro
         "why: getter-guard, ordered-drain left as shipped (unrecognised code shape in "
         "_enforce_double_buffer_limit (fingerprint "), details
     assert ("; the hotfix still applies missed-post-backward, zero1-accumulate, "
-            "single-rank-reduce, root-forward-hooks; sharded-grads-summed-unscaled is not "
+            "single-rank-reduce, root-forward-hooks, auto-sync-stop; sharded-grads-summed-unscaled is not "
             "repaired by the hotfix (it hits ZeRO-2/3") in details[0]
     assert details[1:3] == ["instead: use fsdp_double_buffer=False", (
         "instead: for sharded-grads-summed-unscaled use calculate_per_token_loss=True (the "
@@ -573,8 +585,8 @@ def test_a_refused_copy_is_told_what_still_applies_what_is_left_and_each_workaro
     assert lines[0] == line and lines[1:len(details) + 1] == [f"  {d}" for d in details]
     assert lines[len(details) + 1] == (
         "- megatron-fsdp 0.2.3 (not recognised): REFUSED: getter-guard, ordered-drain left as "
-        "shipped; missed-post-backward, zero1-accumulate, single-rank-reduce, root-forward-hooks "
-        "would apply; "
+        "shipped; missed-post-backward, zero1-accumulate, single-rank-reduce, root-forward-hooks, "
+        "auto-sync-stop would apply; "
         "sharded-grads-summed-unscaled NOT repaired; use fsdp_double_buffer=False; for "
         "sharded-grads-summed-unscaled use calculate_per_token_loss=True (the release scales "
         "nothing; the loss carries the normalisation); --verbose: why; at "

@@ -56,7 +56,7 @@ def test_import_order(fsdp051: Path, order: str) -> None:
                            "reduce-once": "applied",
         "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
         "inert-warm-up": "applied", "root-forward-hooks": "applied",
-        "replicated-grad-stats": "not needed"}
+        "replicated-grad-stats": "not needed", "auto-sync-stop": "applied"}
     assert data["status"]["loaded_via"] == "import" and data["status"]["hotfix"] == "active"
 
 
@@ -82,7 +82,7 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
         "reduce-once": "would apply",
         "single-rank-reduce": "would apply", "core-linear-accumulate": "not needed",
         "inert-warm-up": "would apply", "root-forward-hooks": "would apply",
-        "replicated-grad-stats": "not needed"}
+        "replicated-grad-stats": "not needed", "auto-sync-stop": "would apply"}
     assert data["status"]["hotfix"] == "active"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
                            "missed-post-backward": "not needed",
@@ -90,7 +90,7 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
                            "reduce-once": "applied",
         "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
         "inert-warm-up": "applied", "root-forward-hooks": "applied",
-        "replicated-grad-stats": "not needed"}
+        "replicated-grad-stats": "not needed", "auto-sync-stop": "applied"}
 
 
 def test_misspelt_variable_warns_once_at_install(fsdp051: Path) -> None:
@@ -110,7 +110,7 @@ def test_era_c_keeps_its_own_getter(fsdp_release) -> None:
                            "reduce-once": "applied",
         "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
         "inert-warm-up": "applied", "root-forward-hooks": "not needed",
-        "replicated-grad-stats": "not needed"}
+        "replicated-grad-stats": "not needed", "auto-sync-stop": "applied"}
 
 
 def test_both_copies_in_one_process(fsdp051: Path) -> None:
@@ -138,7 +138,7 @@ print("REPORT" + __import__("json").dumps({"status": mfsdp_hotfix.status(),
                                                  "reduce-once": "applied",
         "single-rank-reduce": "applied", "core-linear-accumulate": "applied",
         "inert-warm-up": "not needed", "root-forward-hooks": "applied",
-        "replicated-grad-stats": "applied"}
+        "replicated-grad-stats": "applied", "auto-sync-stop": "applied"}
 
 
 def registry_vendored() -> str:
@@ -207,7 +207,7 @@ def test_disabled_fix_is_reported(fsdp051: Path) -> None:
                            "reduce-once": "applied",
         "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
         "inert-warm-up": "applied", "root-forward-hooks": "applied",
-        "replicated-grad-stats": "not needed"}
+        "replicated-grad-stats": "not needed", "auto-sync-stop": "applied"}
 
 
 @pytest.fixture
@@ -235,13 +235,13 @@ def test_refused_copy_warns_once_and_keeps_only_the_fixes_that_rest_on_none_of_i
                            "zero1-accumulate": "applied", "reduce-once": "applied",
         "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
         "inert-warm-up": "applied", "root-forward-hooks": "applied",
-        "replicated-grad-stats": "not needed"}
+        "replicated-grad-stats": "not needed", "auto-sync-stop": "applied"}
     (copy,) = data["status"]["copies"]
     assert copy["refused"] is True
     assert [(d["name"], d["repaired"]) for d in copy["release_defects"]] == [
         ("zero1-fused-wgrad-overwrite", True), ("unsharded-grads-reduced-twice", True),
         ("single-rank-grads-reduced-every-microbatch", True), ("optimizer-warm-up-step", True),
-        ("root-parameters-not-gathered", True)]
+        ("root-hooks-skipped", True)]
     assert proc.stderr.count("NOT patching megatron-fsdp") == 1
     assert "run with fsdp_double_buffer=False to avoid the double-buffer gradient bugs (ZeRO-2/3)" \
         in proc.stderr
@@ -385,17 +385,18 @@ def test_a_refused_copy_keeps_and_names_the_fixes_that_rest_on_none_of_it(
                            "reduce-once": "not needed", "single-rank-reduce": "applied",
                            "core-linear-accumulate": "not needed",
                            "expert-accumulate": "not needed", "inert-warm-up": "not needed",
-                           "root-forward-hooks": "applied", "replicated-grad-stats": "not needed"}
+                           "root-forward-hooks": "applied", "replicated-grad-stats": "not needed",
+                           "auto-sync-stop": "applied"}
     line = "\n".join(data["status"]["verdict"]["details"])
     assert line.startswith("why: getter-guard, ordered-drain left as shipped (unrecognised code "
                            "shape in _enforce_double_buffer_limit"), line
     assert ("; the hotfix still applies missed-post-backward, zero1-accumulate, "
-            "single-rank-reduce, root-forward-hooks; ") in line
+            "single-rank-reduce, root-forward-hooks, auto-sync-stop; ") in line
     assert ("\ninstead: use fsdp_double_buffer=False\ninstead: for sharded-grads-summed-unscaled "
             "use calculate_per_token_loss=True (the release scales nothing; the loss carries the "
             "normalisation)\n") in line, line
-    assert ("Still applied: missed-post-backward, zero1-accumulate, single-rank-reduce"
-            in proc.stderr)
+    assert ("Still applied: missed-post-backward, zero1-accumulate, single-rank-reduce, "
+            "root-forward-hooks, auto-sync-stop" in proc.stderr)
     assert ("sharded-grads-summed-unscaled (ZeRO-2/3 (optim_grads, optim_grads_params) over 2 or "
             "more data-parallel ranks") in proc.stderr
     assert "is not repaired either: calculate_per_token_loss=True" in proc.stderr

@@ -138,7 +138,8 @@ def test_status_says_which_function_matched_which_shape_and_how(tmp_path: Path) 
         "reduce-once": "would apply",
         "single-rank-reduce": "would apply", "core-linear-accumulate": "not needed",
         "expert-accumulate": "not needed", "inert-warm-up": "not needed",
-        "root-forward-hooks": "would apply", "replicated-grad-stats": "unverified"}
+        "root-forward-hooks": "would apply", "replicated-grad-stats": "unverified",
+        "auto-sync-stop": "would apply"}
     text = _status(root, "--verbose")
     assert ("main_grad_getter: drains before fetching, recognised by structure (guarded)"
             in text)
@@ -159,7 +160,8 @@ def test_status_of_a_git_snapshot_says_it_is_judged_by_its_code(tmp_path: Path) 
         "reduce-once": "would apply",
         "single-rank-reduce": "would apply", "core-linear-accumulate": "not needed",
         "expert-accumulate": "not needed", "inert-warm-up": "would apply",
-        "root-forward-hooks": "would apply", "replicated-grad-stats": "unverified"}
+        "root-forward-hooks": "would apply", "replicated-grad-stats": "unverified",
+        "auto-sync-stop": "would apply"}
 
 
 def test_pr6316_drain_is_recognised_by_its_structure_with_the_pool_size_from_the_config(
@@ -190,7 +192,8 @@ def test_status_of_pr6316_shows_the_pool_size_and_the_fix(tmp_path: Path) -> Non
         "reduce-once": "would apply",
         "single-rank-reduce": "would apply", "core-linear-accumulate": "not needed",
         "expert-accumulate": "not needed", "inert-warm-up": "would apply",
-        "root-forward-hooks": "not needed", "replicated-grad-stats": "not needed"}
+        "root-forward-hooks": "not needed", "replicated-grad-stats": "not needed",
+        "auto-sync-stop": "would apply"}
     assert ("gradient pool slots (N): from the config (self.ddp_config.fsdp_buffer_count), "
             "read when the model is built") in _status(root, "--verbose")
 

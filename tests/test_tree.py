@@ -34,7 +34,8 @@ def test_an_unpacked_megatron_core_release() -> None:
                             "reduce-once": "would apply",
         "single-rank-reduce": "would apply", "core-linear-accumulate": "would apply",
         "expert-accumulate": "would apply", "inert-warm-up": "would apply",
-        "root-forward-hooks": "not needed", "replicated-grad-stats": "not needed"}
+        "root-forward-hooks": "not needed", "replicated-grad-stats": "not needed",
+        "auto-sync-stop": "would apply"}
     assert copy["package_info"] == {f"{VENDORED}/package_info.py": "0.6.1",
                                     "megatron/core/package_info.py": "0.19.2"}
     (v2,) = data["v2_copies"]

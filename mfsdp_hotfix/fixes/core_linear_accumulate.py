@@ -19,10 +19,13 @@ The repair wraps that backward. For a Megatron-FSDP weight whose ``overwrite_mai
 False, while the release's backward runs, the weight's ``get_main_grad`` fetches the real buffer
 as before and hands out a zeroed tensor of its shape and dtype instead; the release writes the
 gradient there, and afterwards it is added into the real buffer, which ``weight.main_grad``
-names again. Same GEMM, then one add: the arithmetic of the unfused path (autograd's weight
-gradient, added into the buffer by Megatron-FSDP's ``_grad_acc``). It costs a temporary of the
-weight's size for one backward, as the unfused path does. Where ``overwrite_main_grad`` is True
-or absent, or fusion is off, the release's backward runs untouched. The weight is found without
+names again. A weight that carries no ``overwrite_main_grad`` (megatron-fsdp 0.1.0 /
+megatron-core 0.14.0 set none) is taken the same way where its gradient buffer is not
+distributed (ZeRO-1), whose one buffer must add up the microbatches. Same GEMM, then one add:
+the arithmetic of the unfused path (autograd's weight gradient, added into the buffer by
+Megatron-FSDP's ``_grad_acc``). It costs a temporary of the weight's size for one backward, as
+the unfused path does. Where ``overwrite_main_grad`` is True, or absent with a distributed
+buffer, or fusion is off, the release's backward runs untouched. The weight is found without
 unpacking the saved tensors (whose hooks, activation offloading's, may unpack only once): it is
 the variable of the gradient accumulator that the function's second tensor input, ``weight``,
 feeds.
@@ -54,10 +57,23 @@ def weight_to_accumulate(ctx: Any) -> Any | None:
     if not ctx.gradient_accumulation_fusion:
         return None
     weight = getattr(ctx.next_functions[WEIGHT_EDGE][0], "variable", None)
-    if (weight is None or not hasattr(weight, "__fsdp_param__")
-            or getattr(weight, "overwrite_main_grad", True) is not False):
+    if weight is None or not hasattr(weight, "__fsdp_param__"):
         return None
-    return weight
+    overwrite = getattr(weight, "overwrite_main_grad", None)
+    if overwrite is None:
+        return weight if _unsharded_where_nothing_is_said(weight) else None
+    return weight if overwrite is False else None
+
+
+def _unsharded_where_nothing_is_said(weight: Any) -> bool:
+    """A weight without ``overwrite_main_grad``: megatron-fsdp 0.1.0 / megatron-core 0.14.0 set
+    none. There ``get_main_grad()`` returns the one unsharded buffer of a step where the
+    weight's gradient buffer is not distributed (ZeRO-1, no_shard, a one-rank group), which
+    must add up the microbatches, as TransformerEngine's layers do when nothing is said; a
+    distributed buffer hands out a fresh bucket each microbatch, which the release's write
+    over it fills. A weight without that buffer (``_gbuf``) runs as shipped."""
+    buffer = getattr(weight, "_gbuf", None)
+    return buffer is not None and buffer.is_data_distributed is False
 
 
 def run_accumulating(backward: Any, weight: Any, args: tuple[Any, ...],

@@ -46,10 +46,15 @@ def reducing_strategies(buffer_class: type) -> frozenset[str]:
 def reduced_in_finish_grad_sync(pipeline: Any, strategies: frozenset[str]) -> bool:
     """Whether ``finish_grad_sync`` reduces this pipeline's gradients itself, synchronously, so
     that the backward hooks must not: ``overlap_grad_reduce=False`` and a strategy of
-    ``strategies`` (:func:`reducing_strategies`)."""
+    ``strategies`` (:func:`reducing_strategies`), without HSDP (a DP-Outer group of 2 or more
+    ranks), whose all-reduce over DP-Outer only the hooks' reduction carries: there the hooks
+    keep it (HSDP without overlap is refused at model construction, but where the second
+    reduction, over a one-rank DP-Shard group and unscaled, changes nothing: coverage.py)."""
     config = pipeline.buffer.ddp_config
-    return (config.data_parallel_sharding_strategy in strategies
-            and not config.overlap_grad_reduce)
+    if config.data_parallel_sharding_strategy not in strategies or config.overlap_grad_reduce:
+        return False
+    index = pipeline.buffer.dist_index  # HSDP: the hooks' reduction carries DP-Outer's
+    return not (index.use_hybrid_fsdp and index.get_outer_fsdp_group().size() > 1)
 
 
 def apply(buffer_module: ModuleType) -> Undo:

@@ -1,16 +1,28 @@
-"""Fix ``root-forward-hooks``: the root module's own parameters are gathered before its forward.
+"""Fix ``root-forward-hooks``: ``MegatronFSDP.forward`` calls the wrapped root module through its
+hooks, not past them.
 
-megatron-fsdp 0.1.0-0.5.1 (megatron-core 0.14.0-0.18.2) run the wrapped module with
-``self.module.forward(...)``, which skips ``nn.Module.__call__`` and with it the hooks
-Megatron-FSDP registered on that module: among them the pre-forward hook that all-gathers the
-parameters the root module owns itself (not through a child). With ZeRO-3
-(``optim_grads_params``) those parameters are sharded after wrapping, so the root's forward reads
-freed storage: a crash (SIGSEGV) or garbage. Parameters of child modules gather through their own
-hooks and are right.
+megatron-fsdp 0.1.0-0.5.1 / megatron-core 0.14-0.18 run ``self.module.forward(...)``, which skips
+the hooks Megatron-FSDP registered on the root module itself:
 
-As NVIDIA/Megatron-LM#5808 does (facts from that change, not its code), ``MegatronFSDP.forward``
-runs the wrapped module through ``__call__``, so its hooks run, where the root module owns a
-parameter and parameters are sharded; anywhere else the release's forward runs unchanged.
+* its pre-forward hook, which gathers the parameters the root owns (outside every FSDP unit):
+  with ZeRO-3 the root's forward reads freed storage (SIGSEGV), with ZeRO-1/2 a copy not
+  synchronised after the optimizer step;
+* its forward hook, which arms the root pre-backward hook on the root's output. What remains
+  is the copy of that hook on the module registered last, which fires when that module's
+  output gradient is computed. Where that module is not the last to run in forward (a model
+  without a parameter-free module at its end: a pre-norm unit's norm, an embedding
+  registered last), the root pre-backward hook fires in the middle of backward: it marks
+  every parameter as still to be handled and clears ``grad_added_to_main_grad``, so the root
+  post-backward handles again (ZeRO-2/3: zeroes and reduces again) the gradients of the
+  modules that ran backward before it, and leaves the pipeline's buckets half reduced
+  (wrong gradients, or "Found 2 out of 3 parameters ... pipeline is being reset", or a
+  double-buffer slot reused outside the pool's bookkeeping).
+
+megatron-fsdp 0.6.0 / megatron-core 0.19.0 call ``self.module(...)`` (NVIDIA/Megatron-LM#5808,
+for NVIDIA/Megatron-LM#5789): the root's hooks run, the root pre-backward hook fires first in
+backward. This fix makes the same change where the forward has the older shape (gated by its
+fingerprint), for every model: the rest of the method (the raw-parameter swap, the profiler
+range) is kept.
 """
 
 from __future__ import annotations
@@ -18,26 +30,19 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .. import guard
 from ..fix_catalogue_outside import ROOT_FORWARD_HOOKS
 from ..patching import Undo, wrap_attribute
 
 
-def needs_hooks(model: Any) -> bool:
-    """Whether the root module of ``model`` (a ``MegatronFSDP``) owns a parameter."""
-    return any(True for _ in model.module.parameters(recurse=False))
-
-
 def apply(model_module: ModuleType) -> Undo:
-    """Wrap this copy's ``MegatronFSDP.forward``."""
+    """Wrap ``MegatronFSDP.forward`` of this copy."""
+    import torch
 
-    def through_call(wrapped: Any, instance: Any, args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> Any:
-        if guard.attempt(ROOT_FORWARD_HOOKS, "MegatronFSDP.forward",
-                         lambda: needs_hooks(instance)) is not True:
-            return wrapped(*args, **kwargs)
+    def through_the_root_hooks(wrapped: Any, instance: Any, args: tuple[Any, ...],
+                               kwargs: dict[str, Any]) -> Any:
         instance._replace_param_with_raw_if_needed()
-        return instance.module(*args, **kwargs)
+        with torch.autograd.profiler.record_function("CustomFSDP.forward"):
+            return instance.module(*args, **kwargs)
 
-    return wrap_attribute(model_module.MegatronFSDP, "forward", through_call,
+    return wrap_attribute(model_module.MegatronFSDP, "forward", through_the_root_hooks,
                           ROOT_FORWARD_HOOKS.id)

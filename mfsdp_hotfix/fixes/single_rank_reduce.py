@@ -30,15 +30,21 @@ last one, whose reduction over the one DP-Shard rank scales the sum once, as the
 Only where the model shards gradients (ZeRO-2/3): ZeRO-1 and no_shard reduce once per step
 already (their fused-wgrad overwrite is ``zero1-accumulate``). If this fix raises, the step is
 stopped: going on would train on wrong gradients silently.
+
+Model auto-sync (``sync_model_each_microbatch=True``) runs ``finish_grad_sync`` after every
+microbatch, and the buffer accumulates in place: a scale other than 1 (the experts') would
+apply again to the microbatches already scaled. No second scale makes that right, so the second
+microbatch of a step is stopped there (before anything is scaled), naming the way around it;
+one microbatch per step, or a scale of 1, is exact and runs.
 """
 
 from __future__ import annotations
 
-import logging
 import weakref
 from types import ModuleType
 from typing import Any
 
+from ..errors import UnsupportedConfiguration
 from ..fix_catalogue import SINGLE_RANK_REDUCE
 from ..guard import stopped
 from ..patching import Undo, wrap_attributes
@@ -48,8 +54,9 @@ SHARDED_GRADIENTS = ("optim_grads", "optim_grads_params")
 # Per gradient pipeline: the buckets whose hooks' reduction was left out since the last
 # finish_grad_sync, so each is scaled once however many microbatches added into it.
 _LEFT_OUT: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
-_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()  # models told about auto-sync once
-log = logging.getLogger("mfsdp_hotfix")
+# Per gradient pipeline: the buckets scaled by a factor other than 1 since the last
+# zero_grad_buffer (auto-sync scales at every microbatch's finish_grad_sync).
+_SCALED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
 
 
 # Per ParamAndGradBuffer: the ids of its one-rank gradient buckets (groups do not change).
@@ -90,30 +97,42 @@ def one_rank_scale(grads: Any, ddp_config: Any) -> float | None:
 
 def scale_left_out(pipeline: Any) -> list[float]:
     """Scale, once, every bucket whose reduction the hooks left out since the last call; returns
-    the factors other than 1 applied."""
+    the factors other than 1 applied. A bucket scaled already since the last
+    ``zero_grad_buffer`` (auto-sync's next microbatch) raises
+    :class:`~mfsdp_hotfix.UnsupportedConfiguration` before anything is scaled: its buffer holds
+    the scaled microbatches before and the new one unscaled, which no second scale makes
+    right."""
     buckets = _LEFT_OUT.pop(pipeline, set())
-    applied = []
+    scales = []
     for bucket_id in sorted(buckets):
         grads = pipeline.buffer.parameter_groups[bucket_id].main_grad_buffer
         factor = one_rank_scale(grads, pipeline.buffer.ddp_config)
         if factor is not None and factor != 1.0:
-            grads.fetch_bucket().data.mul_(factor)
-            applied.append(factor)
-    return applied
+            scales.append((bucket_id, grads, factor))
+    scaled = _SCALED.setdefault(pipeline, set())
+    if any(bucket_id in scaled for bucket_id, _, _ in scales):
+        raise UnsupportedConfiguration(AUTO_SYNC.format(factor=scales[0][2]))
+    for bucket_id, grads, factor in scales:
+        grads.fetch_bucket().data.mul_(factor)
+        scaled.add(bucket_id)
+    return [factor for _, _, factor in scales]
 
 
-AUTO_SYNC = ("mfsdp_hotfix: single-rank-reduce: with model auto-sync (sync_model_each_microbatch), "
-             "a one-rank gradient buffer is scaled in place at every microbatch's "
-             "finish_grad_sync, like the release's own ZeRO-1 buffer: call zero_grad_buffer() "
-             "every forward-backward cycle, as the release asks for in-place buffers, or "
-             "accumulate the microbatches under no_sync() (Megatron-LM's protocol), which is "
-             "exact")
+AUTO_SYNC = (
+    "mfsdp_hotfix: single-rank-reduce: model auto-sync (sync_model_each_microbatch=True) with a "
+    "gradient buffer whose data-parallel group has one rank and a gradient scale of {factor:g} "
+    "(the experts' 1/data-parallel size), and a second microbatch before zero_grad_buffer(): "
+    "each microbatch's finish_grad_sync would scale the whole accumulated buffer again, "
+    "silently wrong gradients (as the release warns of its in-place buffers), so the step is "
+    "stopped. Workaround: accumulate the microbatches under no_sync() with "
+    "sync_model_each_microbatch=False (Megatron-LM's protocol, exact with the hotfix), or one "
+    "microbatch per optimizer step, or calculate_per_token_loss=True (no scale)")
 
 
 def apply(model_module: ModuleType) -> Undo:
-    """Wrap ``MegatronFSDP.all_gather_and_wait_parameters_ready`` and ``.finish_grad_sync``, and
-    ``GradReducePipeline.reduce_gradients`` (the class the model module builds its pipeline
-    from), of this copy."""
+    """Wrap ``MegatronFSDP.all_gather_and_wait_parameters_ready``, ``.finish_grad_sync`` and
+    ``.zero_grad_buffer``, and ``GradReducePipeline.reduce_gradients`` (the class the model
+    module builds its pipeline from), of this copy."""
 
     def accumulate_in_place(wrapped: Any, instance: Any, args: tuple[Any, ...],
                             kwargs: dict[str, Any]) -> Any:
@@ -150,16 +169,22 @@ def apply(model_module: ModuleType) -> Undo:
     def scale_once(wrapped: Any, instance: Any, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
         try:
-            scaled = scale_left_out(instance.grad_reduce_pipeline)
+            scale_left_out(instance.grad_reduce_pipeline)
+        except UnsupportedConfiguration:  # auto-sync's second microbatch: said why
+            raise
         except Exception as exc:
             raise stopped(SINGLE_RANK_REDUCE, "finish_grad_sync", exc) from exc
-        if scaled and instance.model_auto_sync and instance not in _WARNED:
-            _WARNED.add(instance)
-            log.warning("%s", AUTO_SYNC)
         return wrapped(*args, **kwargs)
+
+    def zeroed(wrapped: Any, instance: Any, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+        result = wrapped(*args, **kwargs)
+        _SCALED.pop(instance.grad_reduce_pipeline, None)  # a new step: nothing scaled yet
+        return result
 
     model = model_module.MegatronFSDP
     return wrap_attributes([(model, "all_gather_and_wait_parameters_ready", accumulate_in_place),
                             (model_module.GradReducePipeline, "reduce_gradients",
                              leave_out_one_rank),
-                            (model, "finish_grad_sync", scale_once)], SINGLE_RANK_REDUCE.id)
+                            (model, "finish_grad_sync", scale_once),
+                            (model, "zero_grad_buffer", zeroed)], SINGLE_RANK_REDUCE.id)

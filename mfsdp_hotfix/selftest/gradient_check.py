@@ -61,7 +61,7 @@ def reference_gradients(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any
     from mfsdp_hotfix.selftest import model as model_lib
 
     ref = model_lib.build(spec.hidden, spec.units, spec.seed, "plain", dtype, spec.wide_units,
-                          spec.experts)
+                          spec.experts, spec.norm, spec.outside, spec.head)
     ranks = inputs.shape[2]
     once = accumulation.reduces_once(spec.protocol, spec.strategy, spec.outer)
     out: list[dict[str, Any]] = []
@@ -92,13 +92,19 @@ def reference_gradients(spec: CaseSpec, inputs: Any, targets: Any, dtype: Any
 
 
 def sgd_step(params: Any, lr: float) -> None:
-    """Plain SGD, the same elementwise op on full tensors (reference) and on shards (FSDP)."""
+    """Plain SGD, the same elementwise op on full tensors (reference) and on shards (FSDP):
+    on a DTensor's local tensor (DTensor refuses it in place over some meshes, e.g. HSDP's
+    replicated no_shard parameters)."""
     import torch
+    from torch.distributed.tensor import DTensor
+
+    def local(tensor: Any) -> Any:
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
     with torch.no_grad():
         for p in params:
             if p.grad is not None and lr:
-                p.add_(p.grad, alpha=-lr)
+                local(p).add_(local(p.grad), alpha=-lr)
 
 
 @dataclass

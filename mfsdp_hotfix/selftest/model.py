@@ -197,11 +197,16 @@ class Unit(torch.nn.Module):
     through the lazy getter.  A norm at the end of the unit would take it first through
     Megatron-FSDP's guarded ``_grad_acc`` path and hide the defect.
     ``expert``: fc1 and fc2 are an MoE layer's :class:`Experts` (the norm stays dense).
+    ``norm="post"``: ``norm(x + fc2(tanh(fc1(x))))`` instead, the norm's gradient first in
+    backward (a layout users have too; the search draws it).
     """
 
     def __init__(self, hidden: int, linear: str = "emulated", width: int = 2,
-                 expert: bool = False) -> None:
+                 expert: bool = False, norm: str = "pre") -> None:
         super().__init__()
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {norm!r}")
+        self.post_norm = norm == "post"
         cls = {"mcore": McoreLinear, "unfused": UnfusedLinear,
                "overwrite": OverwritingLinear}.get(linear, FusedWgradLinear)
         self.experts = Experts(hidden, cls, width) if expert else None
@@ -211,56 +216,116 @@ class Unit(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inp = x if self.post_norm else self.norm(x)
         if self.experts is not None:
-            mlp: torch.Tensor = self.experts(self.norm(x))
+            mlp: torch.Tensor = self.experts(inp)
         else:
-            mlp = self.fc2(torch.tanh(self.fc1(self.norm(x))))
-        return x + mlp
+            mlp = self.fc2(torch.tanh(self.fc1(inp)))
+        out: torch.Tensor = x + mlp
+        return self.norm(out) if self.post_norm else out
+
+
+NORMS = ("pre", "post")
+# Parameters outside every FSDP unit, as real models have them: parts joined by "+" ("" none):
+# "child-before" a root-level bias-free nn.Linear before the units (where an embedding sits),
+# "child-after" one after them (an output layer), "final-norm" a root-level LayerNorm after the
+# units (GPT's final norm), "root-before" / "root-after" a parameter the root module owns
+# itself (a gain applied before or after the units).
+OUTSIDE_PARTS = ("child-before", "final-norm", "child-after", "root-before", "root-after")
+
+
+def outside_parts(outside: str) -> tuple[str, ...]:
+    """The parts of an ``outside`` layout (ValueError for an unknown one)."""
+    parts = tuple(part for part in outside.split("+") if part)
+    unknown = [part for part in parts if part not in OUTSIDE_PARTS]
+    if unknown or len(set(parts)) != len(parts):
+        raise ValueError(f"outside: parts of {OUTSIDE_PARTS} joined by '+', got {outside!r}")
+    return parts
 
 
 class Stack(torch.nn.Module):
     """``units`` identical units in sequence, then a parameter-free ``head``.
 
-    Every parameter lives inside a unit.  The head stands for the modules a real model has
-    after its last unit (final norm, output layer): Megatron-FSDP (at least 0.5.1) also hangs
-    its root pre-backward hook on the *last registered* module, and 0.5.1's hook on the root
-    itself did not fire here; were the last module inside the first unit to run backward, the
-    root hook would fire late and the release would re-reduce that unit's grads (seen: "Found 2
-    out of 4 parameters that are ready ... but the pipeline is being reset").
+    With ``outside`` "" every parameter lives inside a unit. The head stands for the modules a
+    real model has after its last unit (final norm, output layer): Megatron-FSDP (at least
+    0.5.1) also hangs its root pre-backward hook on the *last registered* module, and 0.5.1's
+    hook on the root itself did not fire here; were the last module inside the first unit to
+    run backward, the root hook would fire late and the release would re-reduce that unit's
+    grads (seen: "Found 2 out of 4 parameters that are ready ... but the pipeline is being
+    reset"). ``outside`` (:data:`OUTSIDE_PARTS`) adds parameters outside every unit, registered
+    in the order they run (a child before the units is registered before them).
+    ``head`` False: no head, so the module registered last is the last of the units' (or the
+    outside modules') own, as in a model that ends in a norm or a linear.
     """
 
     def __init__(self, hidden: int, units: int, linear: str = "emulated",
                  unit: Callable[[], torch.nn.Module] | None = None, wide_units: int = 0,
-                 experts: int = 0) -> None:
+                 experts: int = 0, norm: str = "pre", outside: str = "",
+                 head: bool = True) -> None:
         super().__init__()
+        self.parts = outside_parts(outside)
+        if "child-before" in self.parts:
+            self.embed = torch.nn.Linear(hidden, hidden, bias=False)
         self.units = torch.nn.ModuleList(
             unit() if unit is not None else Unit(hidden, linear, width=4 if i < wide_units else 2,
-                                                 expert=i >= units - experts)
+                                                 expert=i >= units - experts, norm=norm)
             for i in range(units))
-        self.head = torch.nn.Identity()
+        if "final-norm" in self.parts:
+            self.final_norm = torch.nn.LayerNorm(hidden)
+        if "child-after" in self.parts:
+            self.output = torch.nn.Linear(hidden, hidden, bias=False)
+        if "root-before" in self.parts or "root-after" in self.parts:
+            self.gain = torch.nn.Parameter(torch.ones(hidden))
+        self.head = torch.nn.Identity() if head else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "child-before" in self.parts:
+            x = self.embed(x)
+        if "root-before" in self.parts:
+            x = x * self.gain
         for unit in self.units:
             x = unit(x)
-        out: torch.Tensor = self.head(x)
-        return out
+        if "final-norm" in self.parts:
+            x = self.final_norm(x)
+        if "child-after" in self.parts:
+            x = self.output(x)
+        if "root-after" in self.parts:
+            x = x * self.gain
+        return self.head(x) if self.head is not None else x
 
     def unit_list(self) -> list[Unit]:
         return [u for u in self.units if isinstance(u, Unit)]
 
 
 def build(hidden: int, units: int, seed: int, linear: str = "emulated",
-          dtype: torch.dtype = torch.float32, wide_units: int = 0, experts: int = 0) -> Stack:
+          dtype: torch.dtype = torch.float32, wide_units: int = 0, experts: int = 0,
+          norm: str = "pre", outside: str = "", head: bool = True) -> Stack:
     """Same seed, same weights: the FSDP ranks and the reference all start from this.
-    ``experts``: that many units, the last ones, hold their MLP as :class:`Experts`."""
+    ``experts``: that many units, the last ones, hold their MLP as :class:`Experts`;
+    ``norm``, ``outside``, ``head``: the layout (:data:`NORMS`, :data:`OUTSIDE_PARTS`). The
+    parameters outside the units are set last, from a generator of their own, so that every
+    other weight is the same with them or without."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
         model = Stack(hidden, units, linear, wide_units=wide_units, experts=experts)
+        if norm != "pre" or outside or not head:  # the same weights, in the layout asked for
+            state = torch.random.get_rng_state()
+            laid_out = Stack(hidden, units, linear, wide_units=wide_units, experts=experts,
+                             norm=norm, outside=outside, head=head)
+            torch.random.set_rng_state(state)
+            laid_out.load_state_dict(model.state_dict(), strict=False)
+            model = laid_out
         with torch.no_grad():  # LayerNorm starts at (1, 0); perturb so its grads are not trivial
             for unit in model.unit_list():
                 unit.norm.weight.add_(0.1 * torch.randn(hidden))
                 unit.norm.bias.add_(0.1 * torch.randn(hidden))
+            gen = torch.Generator().manual_seed(seed + 3)
+            for name, param in model.named_parameters():
+                if not name.startswith("units."):
+                    param.copy_(torch.randn(param.shape, generator=gen)
+                                * (hidden ** -0.5 if param.dim() > 1 else 0.1) + (
+                                    1.0 if name in ("gain", "final_norm.weight") else 0.0))
     finally:
         torch.random.set_rng_state(gen_state)
     return model.to(dtype)

@@ -60,6 +60,11 @@ class CaseSpec:
     whose data-parallel dimension has one rank (``expt_device_mesh``; a release without it fails
     the case). Every rank's expert sees every rank's tokens (``model.Experts``), so the
     reference is the same mean over ranks as for the other parameters. Not with HSDP.
+    ``norm``: where each unit's LayerNorm sits ("pre": before its MLP, "post": after the
+    residual). ``outside``: parameters outside every FSDP unit (``model.OUTSIDE_PARTS`` joined by
+    "+": a root-level linear before or after the units, a final norm, a parameter of the root
+    module itself). ``head`` False: the model has no parameter-free module registered last
+    (where Megatron-FSDP hangs a root pre-backward hook).
     """
 
     flavour: str = "auto"
@@ -89,6 +94,9 @@ class CaseSpec:
     protocol: str = DEFAULT_PROTOCOL
     overlap_grad_reduce: bool = True
     experts: int = 0
+    norm: str = "pre"
+    outside: str = ""
+    head: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -130,6 +138,12 @@ class CaseSpec:
             bits.append(f"gradients reduced in {self.grad_comm_dtype}")
         if self.experts:
             bits.append(f"{self.experts} expert unit(s), expert-parallel = data-parallel")
+        if self.norm != "pre":
+            bits.append(f"{self.norm}-norm units")
+        if self.outside:
+            bits.append(f"parameters outside the units: {self.outside}")
+        if not self.head:
+            bits.append("no parameter-free head")
         if self.audit:
             bits.append("audit on")
         return ", ".join(bits)

@@ -201,7 +201,8 @@ def _build_fsdp(spec: CaseSpec, fully_shard: ModuleType, world: int, report: dic
     from mfsdp_hotfix.selftest import model as model_lib
 
     net = model_lib.build(spec.hidden, spec.units, spec.seed, spec.linear,
-                          getattr(torch, spec.dtype), spec.wide_units, spec.experts)
+                          getattr(torch, spec.dtype), spec.wide_units, spec.experts,
+                          spec.norm, spec.outside, spec.head)
     if spec.experts:  # expert-parallel over every rank: a group of their own
         expert_parallel = dist.new_group(list(range(world)))
         for module in net.modules():

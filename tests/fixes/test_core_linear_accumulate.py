@@ -12,6 +12,7 @@ kernels are not on its path.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -227,6 +228,62 @@ def test_adds_only_where_the_parameter_says_not_to_overwrite(fixed_layers: Any,
     first, second = _two_microbatches(fixed_layers, weight)
     assert torch.equal(main_grad, first + second if overwrite is False else second)
     assert weight.main_grad is main_grad and weight.__dict__["get_main_grad"] is getter
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_without_the_attribute_adds_where_the_buffer_is_not_distributed(
+        fixed_layers: Any, distributed: bool) -> None:
+    """megatron-fsdp 0.1.0 / megatron-core 0.14.0 set no ``overwrite_main_grad``: an unsharded
+    buffer (ZeRO-1) adds up the microbatches, a distributed one's fresh bucket is written over."""
+    weight, main_grad = _weight(__fsdp_param__=True,
+                                _gbuf=SimpleNamespace(is_data_distributed=distributed))
+    first, second = _two_microbatches(fixed_layers, weight)
+    assert torch.equal(main_grad, second if distributed else first + second)
+
+
+CORE_0_14_LINEAR = """
+import json, types
+import torch
+import mfsdp_hotfix
+from megatron.core.tensor_parallel.layers import (
+    linear_with_grad_accumulation_and_async_allreduce as fused)
+errors = {}
+for distributed in (False, True):
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    buffer = torch.zeros(8, 4)
+    weight.__fsdp_param__ = True
+    weight._gbuf = types.SimpleNamespace(is_data_distributed=distributed)
+    weight.get_main_grad = lambda: buffer
+    gen = torch.Generator().manual_seed(0)
+    wgrads = []
+    for _ in range(2):
+        x, g = torch.randn(5, 4, generator=gen), torch.randn(5, 8, generator=gen)
+        fused(x, weight, None, True, False, False).backward(g)
+        wgrads.append(g.t() @ x)
+    want = wgrads[1] if distributed else wgrads[0] + wgrads[1]
+    errors[str(distributed)] = (buffer - want).abs().max().item()
+print("REPORT" + json.dumps(errors))
+"""
+
+
+@pytest.mark.slow
+def test_megatron_core_0_14_zero1_through_its_linear_adds_with_the_hotfix() -> None:
+    """megatron-core 0.14.0's real fused linear (its Megatron-FSDP sets no
+    ``overwrite_main_grad``), two microbatches, against plain PyTorch's sum of the two weight
+    gradients: as shipped an unsharded buffer keeps only the last; with the hotfix it adds up
+    both, and a distributed buffer's bucket is written over as shipped. Single-process, the
+    linear alone: megatron-core 0.14.0's Megatron-FSDP needs torch < 2.11 to run whole
+    (docs/OLDEST_RELEASES.md)."""
+    root = releases.unpacked("megatron-core", "0.14.0")
+    got = {}
+    for hotfix in (False, True):
+        proc = run_python(CORE_0_14_LINEAR, root, env={} if hotfix else {"MFSDP_HOTFIX": "0"},
+                          timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(line for line in proc.stdout.splitlines() if line.startswith("REPORT"))
+        got[hotfix] = json.loads(line[len("REPORT"):])
+    assert got[False]["False"] > 0.1 and got[False]["True"] == 0.0, got
+    assert got[True] == {"False": 0.0, "True": 0.0}, got
 
 
 def test_plain_weights_and_fusion_off_run_as_shipped(fixed_layers: Any) -> None:

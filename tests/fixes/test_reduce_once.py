@@ -30,10 +30,18 @@ from mfsdp_hotfix.structure import hooks, overwrite_setter, synchronous_reductio
 RELEASE_CONDITION = "if grad_reduce_every_bprop or is_last_microbatch or self.model_auto_sync:"
 
 
-def pipeline(strategy: str, overlap: bool) -> Any:
+def pipeline(strategy: str, overlap: bool, outer: int = 1) -> Any:
     config = SimpleNamespace(data_parallel_sharding_strategy=strategy,
                              overlap_grad_reduce=overlap)
-    return SimpleNamespace(buffer=SimpleNamespace(ddp_config=config))
+    index = SimpleNamespace(use_hybrid_fsdp=outer > 1,
+                            get_outer_fsdp_group=lambda: SimpleNamespace(size=lambda: outer))
+    return SimpleNamespace(buffer=SimpleNamespace(ddp_config=config, dist_index=index))
+
+
+@pytest.mark.parametrize("strategy", ["optim", "no_shard"])
+def test_under_hsdp_the_hooks_keep_the_reduction_that_carries_dp_outer(strategy: str) -> None:
+    assert reduce_once.reduced_in_finish_grad_sync(pipeline(strategy, False, outer=1), BOTH)
+    assert not reduce_once.reduced_in_finish_grad_sync(pipeline(strategy, False, outer=2), BOTH)
 
 
 BOTH = frozenset({"optim", "no_shard"})
@@ -332,3 +340,27 @@ def test_hsdp_zero1_without_overlap_is_refused_not_made_worse() -> None:
     workaround = run_case(hsdp_case(release, "on", overlap=True))
     assert not workaround.crashed and (workaround.max_abs_grad_error or 1) < 1e-6, (
         workaround.exception)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_hsdp_over_a_one_rank_dp_shard_group_summed_is_not_refused(strategy: str) -> None:
+    """HSDP on 2 gloo ranks, DP-Outer 2 x DP-Shard 1, without overlap, gradients summed
+    (calculate_per_token_loss), megatron-fsdp 0.6.1: the second reduction, over one rank,
+    changes nothing, so the release is right; with the hotfix it is built and right too (it was
+    refused before). Averaged, the second reduction scales again: wrong, and refused."""
+    release = str(releases.unpacked("megatron-fsdp", "0.6.1"))
+
+    def hsdp1(hotfix: str, grad_reduce: str) -> CaseSpec:
+        return CaseSpec(flavour="standalone", path=release, hotfix=hotfix, strategy=strategy,
+                        world=2, outer=2, overlap_grad_reduce=False, double_buffer=False,
+                        grad_reduce=grad_reduce, microbatches=2, units=3)
+
+    for hotfix in ("off", "on"):
+        summed = run_case(hsdp1(hotfix, "per-token"))
+        assert not summed.crashed and (summed.max_abs_grad_error or 1) < 1e-6, (
+            hotfix, summed.exception)
+    averaged = run_case(hsdp1("off", "scale-then-sum"))
+    assert not averaged.crashed and (averaged.max_abs_grad_error or 0) > 0.1, averaged.exception
+    refused = run_case(hsdp1("on", "scale-then-sum"))
+    assert "UnsupportedConfiguration" in (refused.exception or ""), refused.exception

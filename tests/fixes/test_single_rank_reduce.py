@@ -117,3 +117,19 @@ def test_an_undecided_copy_refuses_one_rank_and_builds_two(tmp_path: Path) -> No
     assert "one microbatch per step" in (refused.exception or "")  # the workaround
     built = run_case(case(root, "on", world=2))
     assert not built.crashed and built.max_abs_grad_error == 0.0, built.exception
+
+
+@pytest.mark.slow
+def test_auto_sync_with_expert_buffers_is_stopped_at_the_second_microbatch() -> None:
+    """fully_shard's auto-sync, two ranks, ZeRO-3 experts (a one-rank buffer scaled by 1/2):
+    wrong as shipped with two microbatches; with the hotfix the second microbatch stops the
+    step with the workaround, and one microbatch per step runs and is right."""
+    fields: dict[str, Any] = {"world": 2, "experts": 2, "protocol": "auto-sync",
+                              "microbatches": 2}
+    shipped = run_case(case("0.6.1", "off", **fields))
+    assert not shipped.crashed and (shipped.max_abs_grad_error or 0) > 0.1, shipped.exception
+    stopped = run_case(case("0.6.1", "on", **fields))
+    assert (stopped.exception or "").startswith("UnsupportedConfiguration: "), stopped.exception
+    assert "sync_model_each_microbatch=False" in (stopped.exception or "")
+    one = run_case(case("0.6.1", "on", **{**fields, "microbatches": 1}))
+    assert not one.crashed and (one.max_abs_grad_error or 1) < 1e-6, one.exception

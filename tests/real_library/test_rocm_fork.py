@@ -60,7 +60,9 @@ def test_pr146_gets_ordered_drain_and_every_reuse_is_ordered(rebuilt: dict[str, 
                                    "missed-post-backward": "not needed",
                                    "zero1-accumulate": "applied",
                                    "reduce-once": "applied", "single-rank-reduce": "applied",
-                                   "core-linear-accumulate": "applied"}
+                                   "core-linear-accumulate": "applied",
+                                   "root-forward-hooks": "applied", "auto-sync-stop": "applied",
+                                   "replicated-grad-stats": "applied"}
     (copy,) = patched.hotfix_status["copies"]  # detected at import, from the loaded code
     assert copy["functions"][registry.GETTER]["matched_by"] == "structure", describe(patched)
     assert patched.hotfix_status["failures"] == {}, describe(patched)
