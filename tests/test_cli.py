@@ -656,7 +656,7 @@ def test_status_tells_a_one_rank_user_whether_the_size_one_defect_is_repaired(
     if unfixed is None:
         assert lines[0].endswith(" — protected: the hotfix is armed") and lines[1] == (
             "  applies ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce, "
-            "inert-warm-up"), lines
+            "inert-warm-up, auto-sync-stop"), lines
         return
     assert " — NOT protected: " in lines[0] and (
         "  instead: for single-rank-grads-reduced-every-microbatch use one microbatch per step, "
