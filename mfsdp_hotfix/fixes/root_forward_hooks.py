@@ -21,8 +21,11 @@ the hooks Megatron-FSDP registered on the root module itself:
 megatron-fsdp 0.6.0 / megatron-core 0.19.0 call ``self.module(...)`` (NVIDIA/Megatron-LM#5808,
 for NVIDIA/Megatron-LM#5789): the root's hooks run, the root pre-backward hook fires first in
 backward. This fix makes the same change where the forward has the older shape (gated by its
-fingerprint), for every model: the rest of the method (the raw-parameter swap, the profiler
-range) is kept.
+fingerprint), for the models where the root's hooks matter (``root_hooks_matter``: the root owns
+parameters, or its module registered last has some); other models keep the release's forward
+bit for bit, because on megatron-fsdp 0.1.0-0.2.3 / megatron-core 0.14-0.15 the root's hooks
+running there stop ZeRO-3's double buffer ("No buffer found for bucket_id") where the release
+alone is exact. The rest of the method (the raw-parameter swap, the profiler range) is kept.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ..fix_catalogue_outside import ROOT_FORWARD_HOOKS
+from ..fix_catalogue_outside import ROOT_FORWARD_HOOKS, root_hooks_matter
 from ..patching import Undo, wrap_attribute
 
 
@@ -40,6 +43,12 @@ def apply(model_module: ModuleType) -> Undo:
 
     def through_the_root_hooks(wrapped: Any, instance: Any, args: tuple[Any, ...],
                                kwargs: dict[str, Any]) -> Any:
+        matters = instance.__dict__.get("_mfsdp_hotfix_root_hooks_matter")
+        if matters is None:  # the module tree is fixed once wrapped
+            matters = instance.__dict__["_mfsdp_hotfix_root_hooks_matter"] = root_hooks_matter(
+                instance)
+        if not matters:
+            return wrapped(*args, **kwargs)
         instance._replace_param_with_raw_if_needed()
         with torch.autograd.profiler.record_function("CustomFSDP.forward"):
             return instance.module(*args, **kwargs)
