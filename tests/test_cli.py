@@ -575,8 +575,9 @@ def test_a_refused_copy_is_told_what_still_applies_what_is_left_and_each_workaro
         "why: getter-guard, ordered-drain left as shipped (unrecognised code shape in "
         "_enforce_double_buffer_limit (fingerprint "), details
     assert ("; the hotfix still applies missed-post-backward, zero1-accumulate, "
-            "single-rank-reduce, root-forward-hooks, auto-sync-stop; sharded-grads-summed-unscaled is not "
-            "repaired by the hotfix (it hits ZeRO-2/3") in details[0]
+            "single-rank-reduce, root-forward-hooks, auto-sync-stop; "
+            "sharded-grads-summed-unscaled is not repaired by the hotfix (it hits ZeRO-2/3"
+            ) in details[0]
     assert details[1:3] == ["instead: use fsdp_double_buffer=False", (
         "instead: for sharded-grads-summed-unscaled use calculate_per_token_loss=True (the "
         "release scales nothing; the loss carries the normalisation)")], details
