@@ -77,7 +77,7 @@ def check(found: Detection, fixes: dict[str, tuple[str, str]], model: Any) -> No
             why = (f"no fix repairs it, neither the shipped code nor {limit.fix} is right "
                    f"({limit.fix} is {state} here)")
         raise UnsupportedConfiguration(
-            f"mfsdp_hotfix: {found.copy.label} {found.copy.distribution} "
+            f"mfsdp_hotfix: {found.copy.distribution} "
             f"{found.version or '(version unknown)'} at {found.module_path} is not covered "
             f"for {limit.configuration}: {why}. As shipped this configuration fails "
             f"({_failure(limit, found)}). Workaround: {limit.workaround}.")

@@ -155,11 +155,11 @@ def test_status(installed: Installed) -> None:
     lines = plain.stdout.splitlines()
     assert lines[:3] == ["affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed",
                          "  applies getter-guard, ordered-drain, zero1-accumulate, reduce-once, "
-                         "single-rank-reduce, inert-warm-up, root-forward-hooks",
+                         "single-rank-reduce, inert-warm-up, root-forward-hooks, auto-sync-stop",
                          f"  {REFUSES_HSDP}"], lines
     assert lines[3].startswith("- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain, "
                                "zero1-accumulate, reduce-once, single-rank-reduce, inert-warm-up, "
-                               "root-forward-hooks would apply; at "), lines
+                               "root-forward-hooks, auto-sync-stop would apply; at "), lines
     assert re.fullmatch(r"mfsdp-hotfix \S+, in a new Python process of this environment: the "
                         r"hotfix is armed at interpreter start by \S+/site-packages/"
                         r"mfsdp_hotfix\.pth", lines[4]), lines
@@ -183,8 +183,8 @@ def test_status_path(installed: Installed) -> None:
     lines = proc.stdout.splitlines()
     assert lines[:3] == ["affected: megatron-fsdp 0.5.1 (era B) — repaired where the hotfix is "
                          "loaded", "  applies getter-guard, ordered-drain, zero1-accumulate, "
-                         "reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks",
-                         f"  {REFUSES_HSDP}"], lines
+                         "reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks, "
+                         "auto-sync-stop", f"  {REFUSES_HSDP}"], lines
     assert lines[3].startswith("- megatron-fsdp 0.5.1 (era B): "), lines
     assert f"for the folder {folder}, read from disk (nothing imported)" in proc.stdout
 
@@ -204,7 +204,7 @@ def test_switched_off(installed: Installed) -> None:
         "getter-guard off (MFSDP_HOTFIX=0)", "ordered-drain off (MFSDP_HOTFIX=0)",
         "zero1-accumulate off (MFSDP_HOTFIX=0)", "reduce-once off (MFSDP_HOTFIX=0)",
         "single-rank-reduce off (MFSDP_HOTFIX=0)", "inert-warm-up off (MFSDP_HOTFIX=0)",
-        "root-forward-hooks off (MFSDP_HOTFIX=0)"], unfixed
+        "root-forward-hooks off (MFSDP_HOTFIX=0)", "auto-sync-stop off (MFSDP_HOTFIX=0)"], unfixed
     proc = installed.sh("MFSDP_HOTFIX=0 python -c 'import megatron_fsdp, mfsdp_hotfix; "
                         "print(mfsdp_hotfix.summary()); "
                         "print(mfsdp_hotfix.status()[\"copies\"][0][\"imported\"])\n"

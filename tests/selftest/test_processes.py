@@ -198,7 +198,9 @@ def workers_running(command: Command) -> bool:
 
 def assert_nothing_left(command: Command) -> None:
     assert left_after(command.mark) == {}, "processes left running"
-    assert sorted(os.listdir(command.tmpdir)) == [], "temporary folders left"
+    # torch's own compile cache (torchinductor_<user>) is meant to outlive every run: not ours.
+    ours = [name for name in os.listdir(command.tmpdir) if not name.startswith("torchinductor_")]
+    assert sorted(ours) == [], "temporary folders left"
 
 
 def test_selftest_into_a_closed_pipe(selftest) -> None:
@@ -207,7 +209,7 @@ def test_selftest_into_a_closed_pipe(selftest) -> None:
     wait_for(lambda: workers_running(command), command.proc)
     status, out, _ = command.finish()
     assert_nothing_left(command)
-    assert status == exits.BROKEN_PIPE and out.startswith("selftest: running without hotfix")
+    assert status == exits.BROKEN_PIPE and out.startswith("selftest: 4 runs on CPU")
 
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, exits.INTERRUPTED),
