@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     """``mfsdp-hotfix``; a closed stdout (``| head``) ends it quietly with status 141 (``status``
     keeps its own), Ctrl-C with 130, SIGTERM with 143, SIGHUP with 129, as the shell reports a
     command such a signal killed (every process a command started is ended by then:
-    ``selftest.processes.supervised``)."""
+    ``processes.supervised``)."""
     try:
         try:
             code = _main(argv)

@@ -198,7 +198,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                    "release_defects", "gradient_pools", "structure")),
     ("foundations", ("__about__", "variables", "settings", "versions", "fingerprints",
                      "patching", "incidents", "guard", "happens_before", "compare",
-                     "verdict_text")),
+                     "verdict_text", "processes")),
     ("reading", ("detection", "v2", "coverage", "slot_reuse", "crossrank")),
     ("fixes", ("fixes",)),
     ("observing", ("audit",)),

@@ -9,8 +9,7 @@ import contextlib
 import os
 import sys
 
-from .. import settings
-from ..selftest import processes
+from .. import processes, settings
 from ..verdict_text import block, first_line
 from .exits import CANNOT_START, USAGE_ERROR
 from .run import add_command_argument, command_after_dashes, pythonpath_with_bootstrap

@@ -161,31 +161,32 @@ def _say_plan(plan: Plan, say: Callable[[str], None]) -> None:
 
 
 def _run_plan(plan: Plan, args: argparse.Namespace) -> int:
-    from ..parity.launch import Stopped, stop_on_signals
+    from .. import processes
     from ..parity.launch import run as launch
     from ..parity.plan import describe
 
     outcomes: dict[str, Outcome] = {}
-    with stop_on_signals():
-        try:
+    try:
+        with processes.supervised() as children:
             for each in plan.runs:
                 os.makedirs(each.folder, exist_ok=True)
                 with open(os.path.join(each.folder, "command.txt"), "w") as f:
                     f.write(describe(each) + "\n")
                 say(f"{each.name}: starting ({each.title}); output in {each.log}")
                 try:
-                    outcomes[each.name] = launch(each.command, dict(os.environ, **each.env),
-                                                 each.log, args.timeout, say, each.name,
-                                                 plan.last, reader_gone)
+                    outcomes[each.name] = launch(children, each.command,
+                                                 dict(os.environ, **each.env), each.log,
+                                                 args.timeout, say, each.name, plan.last,
+                                                 reader_gone)
                 except OSError as exc:
                     print(f"mfsdp-hotfix parity: cannot start {each.command[0]!r}: {exc} (the "
                           f"runs' folder: {os.path.dirname(each.folder)})", file=sys.stderr)
                     return CANNOT_START
                 say(_ended(each.name, outcomes[each.name]))
-        except KeyboardInterrupt:
-            return _stopped("SIGINT (Ctrl-C)", SIGNALLED + signal.SIGINT, args.out)
-        except Stopped as exc:
-            return _stopped(str(exc), SIGNALLED + exc.signum, args.out)
+    except KeyboardInterrupt:
+        return _stopped("SIGINT (Ctrl-C)", SIGNALLED + signal.SIGINT, args.out)
+    except processes.Stopped as exc:
+        return _stopped(signal.Signals(exc.signum).name, SIGNALLED + exc.signum, args.out)
     return _verdict(plan, outcomes, args)
 
 

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from mfsdp_hotfix import processes
 from mfsdp_hotfix.errors import CannotRun as CannotRun
-from mfsdp_hotfix.selftest import gpu_turns, processes
+from mfsdp_hotfix.selftest import gpu_turns
 from mfsdp_hotfix.selftest.gpu_spec import LAYER_LABELS, GpuRun, GpuRunResult, merge
 from mfsdp_hotfix.selftest.gpu_worker import audit_prefix, report_file
 from mfsdp_hotfix.selftest.runner import worker_env

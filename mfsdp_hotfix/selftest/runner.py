@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mfsdp_hotfix.selftest import processes
+from mfsdp_hotfix import processes
 from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # folder holding mfsdp_hotfix/

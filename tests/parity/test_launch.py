@@ -1,7 +1,8 @@
 """One run, with real processes on CPU: its output kept and followed, its timeout, and its whole
 tree ended (a launcher's children in sessions of their own included) on every way out of
 ``launch.run``: a normal end, a timeout, an exception. (SIGINT, SIGTERM and a closed stdout, which
-end the whole command, are tested through the command: tests/test_cli_parity.py.)"""
+end the whole command, are tested through the command: tests/test_cli_parity.py; the signals'
+mechanism, ``processes.supervised``, in tests/test_processes.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from parity.live import alive
 
+from mfsdp_hotfix import processes
 from mfsdp_hotfix.parity import launch
 
 # A launcher: starts a "rank" in a session of its own (as torchrun does) that sleeps, writes
@@ -50,10 +52,15 @@ def short_grace(monkeypatch: pytest.MonkeyPatch) -> None:
 def start(tmp_path: Path, how: str, timeout: float = 60.0,
           say: object = None) -> tuple[launch.Outcome, list[int], list[str]]:
     said: list[str] = []
-    outcome = launch.run([sys.executable, "-c", LAUNCHER, how, str(tmp_path / "pids")],
-                         dict(os.environ), str(tmp_path / "output.log"), timeout,
-                         say or said.append, "candidate", 2)  # type: ignore[arg-type]
-    return outcome, pids_of(tmp_path / "pids"), said
+    with processes.supervised() as children:
+        outcome = launch.run(children, [sys.executable, "-c", LAUNCHER, how,
+                                        str(tmp_path / "pids")],
+                             dict(os.environ), str(tmp_path / "output.log"), timeout,
+                             say or said.append, "candidate", 2)  # type: ignore[arg-type]
+        # ended by launch.run itself, before the block ends
+        pids = pids_of(tmp_path / "pids")
+        assert not any(alive(pid) for pid in pids), "the rank left behind must be ended"
+    return outcome, pids, said
 
 
 def test_a_normal_end_follows_the_iterations_and_leaves_no_process(tmp_path: Path) -> None:
@@ -86,13 +93,3 @@ def test_an_exception_while_running_ends_the_tree(tmp_path: Path) -> None:
     with pytest.raises(BrokenPipeError):
         start(tmp_path, "hang", say=closed)
     assert not any(alive(pid) for pid in pids_of(tmp_path / "pids"))
-
-
-def test_a_signal_becomes_an_exception_inside_and_not_after() -> None:
-    import signal
-    before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(launch.Stopped) as stopped, launch.stop_on_signals():
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(1)
-    assert stopped.value.signum == signal.SIGTERM and str(stopped.value) == "SIGTERM"
-    assert signal.getsignal(signal.SIGTERM) == before

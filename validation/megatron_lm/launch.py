@@ -19,7 +19,7 @@ from .plan import AUDITS, needs_te
 
 VALIDATION = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(VALIDATION)
-if REPO not in sys.path:  # mfsdp_hotfix.selftest.processes, where the package is not installed
+if REPO not in sys.path:  # mfsdp_hotfix.processes, where the package is not installed
     sys.path.append(REPO)
 INJECT = os.path.join(VALIDATION, "mlm_inject")
 
@@ -121,7 +121,7 @@ def run_process(argv: list[str], env: dict[str, str], cwd: str, timeout: float
             out = p.communicate(timeout=timeout)[0]
             return p.returncode, out
         except subprocess.TimeoutExpired:
-            from mfsdp_hotfix.selftest.processes import kill_tree
+            from mfsdp_hotfix.processes import kill_tree
 
             kill_tree(p.pid)
             return "timeout", p.communicate()[0]

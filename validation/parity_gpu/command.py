@@ -82,7 +82,7 @@ def run(argv: list[str], env: dict[str, str], cwd: str, timeout: float
         try:
             rc: int | str = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            from mfsdp_hotfix.selftest.processes import kill_tree
+            from mfsdp_hotfix.processes import kill_tree
 
             kill_tree(p.pid)
             p.wait()

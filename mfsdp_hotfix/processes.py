@@ -1,7 +1,7 @@
 """Child processes and temporary folders that end with the block that made them, whatever ends it.
 
 :func:`supervised` is the one way the commands start processes (the selftest's workers, the GPU
-runs, the command ``audit`` runs) and make temporary folders::
+runs, the job ``audit`` and ``parity`` run) and make temporary folders::
 
     with processes.supervised() as children:
         folder = children.temp_dir("mfsdp-selftest-")
@@ -19,7 +19,8 @@ Finding every process: ``torchrun`` starts each rank in a session of its own, so
 launcher's process group leaves the ranks running; they are found through ``/proc`` by parent.
 A process whose parent has already exited has no parent to be found by (it is re-parented to
 init), so every child also carries a token in its environment (:data:`TOKEN`), inherited by all
-it starts, and the processes that hold the block's token are ended too.
+it starts, and the processes that hold the token are ended too: the block's, or one child's
+(:meth:`Children.end`, a run past its time).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import Stopped as Stopped
+from .errors import Stopped as Stopped
 
 # Environment variable carrying the block's token into every process started under it.
 TOKEN = "MFSDP_SUPERVISED_BY"
@@ -67,7 +68,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def holders(token: str) -> list[int]:
-    """Every process (but this one) whose environment carries ``TOKEN=token``."""
+    """Every process (but this one) whose environment carries ``TOKEN=token`` or a child's
+    token under it (``token/N``)."""
     needle = f"{TOKEN}={token}".encode()
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
@@ -76,7 +78,8 @@ def holders(token: str) -> list[int]:
                 environ = f.read()
         except OSError:
             continue
-        if needle in environ.split(b"\0") and int(entry) != os.getpid():
+        if any(var == needle or var.startswith(needle + b"/") for var in environ.split(b"\0")) \
+                and int(entry) != os.getpid():
             found.append(int(entry))
     return found
 
@@ -96,17 +99,21 @@ class Children:
         self.grace_s = grace_s
         self.token = f"{os.getpid()}-{time.monotonic_ns()}"
         self.procs: list[subprocess.Popen[Any]] = []
+        self.tokens: dict[int, str] = {}  # pid -> the token it and all it starts carry
         self.folders: list[str] = []
         self.sessions: set[int] = set()  # started in a session (and group) of their own
 
     def start(self, command: list[str], *, own_session: bool = True,
               env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen[Any]:
-        """``subprocess.Popen(command, ...)`` carrying the token. ``own_session``: in a session
-        of its own (the harness' workers: a Ctrl-C at the terminal reaches this process only,
-        which ends them); False for a user's command, which gets the terminal's Ctrl-C itself."""
-        env = dict(os.environ if env is None else env, **{TOKEN: self.token})
+        """``subprocess.Popen(command, ...)`` carrying a token of its own. ``own_session``: in a
+        session of its own (a Ctrl-C at the terminal reaches this process only, which ends the
+        child: the harness' workers, the job parity runs); False for a user's command that gets
+        the terminal's Ctrl-C itself (audit)."""
+        token = f"{self.token}/{len(self.procs)}"
+        env = dict(os.environ if env is None else env, **{TOKEN: token})
         proc = subprocess.Popen(command, env=env, start_new_session=own_session, **popen)
         self.procs.append(proc)
+        self.tokens[proc.pid] = token
         if own_session:
             self.sessions.add(proc.pid)
         return proc
@@ -117,27 +124,45 @@ class Children:
         self.folders.append(folder)
         return folder
 
-    def end(self, proc: subprocess.Popen[Any]) -> None:
-        """SIGKILL ``proc`` and everything under it now (a run past its time). Once reaped, its
-        pid may be another process's: what it left is found by the token instead."""
-        if proc.returncode is not None:
-            return
-        kill_tree(proc.pid)
+    def end(self, proc: subprocess.Popen[Any], grace_s: float = 0.0) -> None:
+        """End ``proc`` and everything it started now (a run past its time): SIGTERM and up to
+        ``grace_s`` to go, then SIGKILL. What it left behind whose parent already exited is
+        found by its token."""
+        token = self.tokens[proc.pid]
+        if grace_s > 0:
+            self._signal(proc, token, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while (proc.poll() is None or holders(token)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for _ in range(3):  # a process may start another while a round kills
+            if not self._signal(proc, token, signal.SIGKILL):
+                break
+
+    def _signal(self, proc: subprocess.Popen[Any], token: str, signum: int) -> bool:
+        """Send ``signum`` to ``proc``'s tree, its process group and its token's holders; True
+        when anything was there to signal."""
+        found = holders(token)
+        if proc.poll() is None:
+            found += [proc.pid, *descendants(proc.pid)]
+        for pid in set(found):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
         if proc.pid in self.sessions:  # its group outlives it while a member lives
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signum)
+        return bool(found)
 
     def end_all(self) -> None:
-        """SIGTERM the processes still running and give them ``grace_s`` to end, then SIGKILL
-        every one with all it started and every holder of the token; reap; remove the folders."""
+        """End the processes still running, each with ``grace_s`` between SIGTERM and SIGKILL,
+        and every holder of the block's token; reap; remove the folders."""
         running = [p for p in self.procs if p.poll() is None]
         if running and self.grace_s > 0:
             for proc in running:
-                kill_tree(proc.pid, signal.SIGTERM)
+                self._signal(proc, self.tokens[proc.pid], signal.SIGTERM)
             deadline = time.monotonic() + self.grace_s
             while any(p.poll() is None for p in running) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        for _ in range(3):  # a process may start another while the first round kills
+        for _ in range(3):  # a process may start another while a round kills
             for proc in self.procs:
                 self.end(proc)
             left = holders(self.token)

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, verdict_line
 
+from mfsdp_hotfix import processes
 from mfsdp_hotfix.commands import exits
-from mfsdp_hotfix.selftest import processes
 
 MARK = "MFSDP_TEST_MARK"
 
