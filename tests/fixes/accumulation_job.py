@@ -16,12 +16,7 @@ carried in the last backward, and what the hotfix reports for the copy.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import sys
-import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 
@@ -122,18 +117,7 @@ def reference(spec: Any, inputs: Any, targets: Any, world: int) -> list[dict[str
     return out
 
 
-def main(argv: list[str]) -> int:
-    config, rank, world, store, out = argv
-    try:
-        report = run(json.loads(config), int(rank), int(world), store)
-    except BaseException as exc:
-        report = {"exception": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()[-4000:]}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(report, default=repr))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # a peer stuck in a collective must not hang this rank
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import rank_jobs
+
+    rank_jobs.main(run)

@@ -17,11 +17,7 @@ reports.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import sys
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -171,38 +167,16 @@ def compare_with_reference(config: dict[str, Any], seen: list[dict[str, Any]], i
 def run_job(release: Path, hotfix: bool, world: int = 2, **config: Any) -> dict[str, Any]:
     """Every rank of one run, as a test runs it; rank 0's report, or ``{"died": returncodes}``
     where no rank 0 report was written (a rank killed by a signal: SIGSEGV is -11)."""
-    import subprocess
-    import tempfile
+    import rank_jobs
 
-    repo = Path(__file__).resolve().parents[2]
-    with tempfile.TemporaryDirectory(prefix="mfsdp-optimizer-") as tmp:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
-        env.update(PYTHONPATH=os.pathsep.join([str(release), str(repo)]),
-                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   **({} if hotfix else {"MFSDP_HOTFIX": "0"}))
-        procs = [subprocess.Popen([sys.executable, __file__, json.dumps(config), str(rank),
-                                   str(world), f"{tmp}/store", tmp], env=env,
-                                  stderr=subprocess.PIPE) for rank in range(world)]
-        logs = [proc.communicate(timeout=300)[1].decode(errors="replace") for proc in procs]
-        report = Path(tmp, "rank0.json")
-        if not report.exists():
-            return {"died": [proc.returncode for proc in procs], "log": logs[0][-2000:]}
-        found: dict[str, Any] = json.loads(report.read_text())
-        return found
-
-
-def main(argv: list[str]) -> int:
-    config, rank, world, store, out = argv
-    try:
-        report = run(json.loads(config), int(rank), int(world), store)
-    except BaseException as exc:
-        report = {"exception": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()[-4000:]}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(report, default=repr))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # a peer stuck in a collective must not hang this rank
+    reports, statuses, logs = rank_jobs.run_ranks(Path(__file__), release, config, world, hotfix,
+                                                  timeout=300)
+    if reports[0] is None:
+        return {"died": statuses, "log": logs[0][-2000:]}
+    return reports[0]
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import rank_jobs
+
+    rank_jobs.main(run)

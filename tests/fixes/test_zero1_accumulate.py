@@ -8,15 +8,12 @@ bit for bit with plain PyTorch (``mfsdp_hotfix.compare``).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import rank_jobs
 import releases
 
 from mfsdp_hotfix import fix_catalogue, registry, release_defects
@@ -28,21 +25,10 @@ JOB = Path(__file__).with_name("accumulation_job.py")
 
 def run_job(release: Path, hotfix: bool, **config: Any) -> dict[str, Any]:
     """Both ranks of one run; rank 0's report (a rank that died is a failure here)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="mfsdp-accumulate-") as tmp:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
-        env.update(PYTHONPATH=os.pathsep.join([str(release), str(releases.REPO)]),
-                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   **({} if hotfix else {"MFSDP_HOTFIX": "0"}))
-        procs = [subprocess.Popen([sys.executable, str(JOB), json.dumps(config), str(rank), "2",
-                                   f"{tmp}/store", tmp], env=env, stderr=subprocess.PIPE)
-                 for rank in range(2)]
-        logs = [proc.communicate(timeout=240)[1].decode(errors="replace") for proc in procs]
-        reports = [Path(tmp, f"rank{rank}.json") for rank in range(2)]
-        assert all(r.exists() for r in reports), logs
-        report: dict[str, Any] = json.loads(reports[0].read_text())
-    assert "exception" not in report, report.get("traceback")
+    reports, _, logs = rank_jobs.run_ranks(JOB, release, config, hotfix=hotfix, timeout=240)
+    assert all(r is not None for r in reports), logs
+    report = reports[0]
+    assert report is not None and "exception" not in report, (report or {}).get("traceback")
     return report
 
 

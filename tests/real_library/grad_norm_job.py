@@ -21,12 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import os
-import sys
-import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 
@@ -132,17 +127,7 @@ def run(config: dict[str, Any], rank: int, world: int, store: str) -> dict[str, 
             "stats_group_size": dist.get_world_size(group) if group is not None else None}
 
 
-def main(argv: list[str]) -> int:
-    config, rank, world, store, out = argv
-    try:
-        report = run(json.loads(config), int(rank), int(world), store)
-    except BaseException as exc:
-        report = {"exception": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()[-4000:]}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-    sys.stdout.flush()
-    os._exit(0)  # a peer stuck in a collective must not hang this rank
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import rank_jobs
+
+    rank_jobs.main(run)

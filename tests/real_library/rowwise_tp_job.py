@@ -12,12 +12,7 @@ the largest difference of the forward output and of every gathered gradient from
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 
@@ -83,17 +78,7 @@ def run(config: dict[str, Any], rank: int, world: int, store: str) -> dict[str, 
                       for n, p in ref.named_parameters()}}
 
 
-def main(argv: list[str]) -> int:
-    config, rank, world, store, out = argv
-    try:
-        report = run(json.loads(config), int(rank), int(world), store)
-    except BaseException as exc:
-        report = {"exception": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()[-4000:]}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-    sys.stdout.flush()
-    os._exit(0)  # a peer stuck in a collective must not hang this rank
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import rank_jobs
+
+    rank_jobs.main(run)

@@ -5,15 +5,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+import rank_jobs
 import releases
 
 pytestmark = pytest.mark.slow
@@ -24,19 +20,10 @@ SHIPPED_RATIO = 1.41421
 
 
 def run_ranks(version: str, strategy: str, hotfix: bool = False) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="mfsdp-grad-norm-") as tmp:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
-        env.update(PYTHONPATH=os.pathsep.join([str(releases.unpacked("megatron-core", version)),
-                                               str(releases.REPO)]),
-                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   **({} if hotfix else {"MFSDP_HOTFIX": "0"}))
-        procs = [subprocess.Popen([sys.executable, str(JOB), json.dumps({"strategy": strategy}),
-                                   str(rank), "2", f"{tmp}/store", tmp], env=env,
-                                  stderr=subprocess.DEVNULL) for rank in range(2)]
-        for proc in procs:
-            proc.wait(timeout=280)
-        report: dict[str, Any] = json.loads(Path(tmp, "rank0.json").read_text())
-    assert "exception" not in report, report.get("traceback")
+    reports, _, logs = rank_jobs.run_ranks(JOB, releases.unpacked("megatron-core", version),
+                                           {"strategy": strategy}, hotfix=hotfix)
+    report = reports[0]
+    assert report is not None and "exception" not in report, (report or {}).get("traceback", logs)
     return report
 
 

@@ -6,15 +6,11 @@ PyTorch."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+import rank_jobs
 import releases
 
 pytestmark = pytest.mark.slow
@@ -23,20 +19,11 @@ INVALID = "DTensor chunk metadata is invalid"
 
 
 def run_ranks(release: str, dp: int, tp: int, rowwise: bool = True) -> list[dict[str, Any]]:
-    world = dp * tp
-    with tempfile.TemporaryDirectory(prefix="mfsdp-rowwise-") as tmp:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_HOTFIX")}
-        env.update(PYTHONPATH=os.pathsep.join([str(releases.unpacked("megatron-fsdp", release)),
-                                               str(releases.REPO)]),
-                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   MFSDP_HOTFIX="0")
-        config = json.dumps({"dp": dp, "tp": tp, "rowwise": rowwise})
-        procs = [subprocess.Popen([sys.executable, str(JOB), config, str(rank), str(world),
-                                   f"{tmp}/store", tmp], env=env, stderr=subprocess.DEVNULL)
-                 for rank in range(world)]
-        for proc in procs:
-            proc.wait(timeout=240)
-        return [json.loads(Path(tmp, f"rank{rank}.json").read_text()) for rank in range(world)]
+    reports, _, logs = rank_jobs.run_ranks(JOB, releases.unpacked("megatron-fsdp", release),
+                                           {"dp": dp, "tp": tp, "rowwise": rowwise},
+                                           world=dp * tp, hotfix=False, timeout=240)
+    assert all(r is not None for r in reports), logs
+    return [r for r in reports if r is not None]
 
 
 @pytest.mark.parametrize(("release", "dp"), [("0.4.0", 1), ("0.6.1", 1), ("0.6.1", 2)],
