@@ -40,6 +40,9 @@ class ReleaseDefect:
     not_covered: str
     carrier: str | None = None  # fix None: the function whose shape has the defect
     limits: tuple[Limit, ...] = ()
+    # fix None: every model its limits match is refused when built, so the verdict names the
+    # refusal instead of NOT protected
+    refused_when_built: bool = False
 
 
 def carried(defect: ReleaseDefect, shapes: Mapping[str, Shape | None]) -> bool | None:

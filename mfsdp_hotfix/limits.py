@@ -165,3 +165,15 @@ HSDP_FAILURE = (
     "all-reduce over DP-Outer is only in the backward "
     "hooks' reduction, which the release runs as well (reducing twice) and reduce-once, like "
     "NVIDIA/Megatron-LM#6357, leaves out (never reduced over DP-Outer)")
+
+
+def te_partial_cuda_graphs(model: Any) -> bool:
+    """Whether a module the built ``model`` wraps carries a megatron-core ``TransformerConfig``
+    asking for TransformerEngine's per-layer CUDA graphs: ``cuda_graph_impl="transformer_engine"``,
+    or ``external_cuda_graph`` (its older name)."""
+    for module in model.module.modules():
+        config = getattr(module, "config", None)
+        if (getattr(config, "cuda_graph_impl", None) == "transformer_engine"
+                or getattr(config, "external_cuda_graph", False) is True):
+            return True
+    return False

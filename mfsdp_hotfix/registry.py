@@ -149,6 +149,9 @@ class Shape:
         return self.note
 
 
+# No copy's hooks are prepared for TransformerEngine's per-layer CUDA graph capture (its forward
+# hooks that wrap backward handlers are not tagged for it: NVIDIA/Megatron-LM#4232, open).
+TE_GRAPHS = frozenset({"te-partial-cuda-graphs"})
 SHAPES: dict[str, tuple[Shape, ...]] = {
     GETTER: (
         Shape("0.14", "991107f2e75eaa6e2f5567049a45235be088a70697e281c937dd01ce2e69f495",
@@ -192,8 +195,10 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
     # data-parallel group has one rank too (single-rank-reduce).
     HOOKS: (
         Shape("0.14", "165cb11b0521d204ab991b78257547ca679b491978d7c2240c64068e0ffe4ce0",
-              needs=frozenset({"missed-post-backward", "reduce-once", "single-rank-reduce"})),
-        *(Shape(name, fingerprint, needs=frozenset({"reduce-once", "single-rank-reduce"}))
+              needs=frozenset({"missed-post-backward", "reduce-once", "single-rank-reduce"}),
+              carries=TE_GRAPHS),
+        *(Shape(name, fingerprint, needs=frozenset({"reduce-once", "single-rank-reduce"}),
+                carries=TE_GRAPHS)
           for name, fingerprint in (
               ("0.16", "819fea0a1dbddaa5c909b026dd6660a873509886698a31a6d71e785aef76e450"),
               ("0.17", "32fe8ef255b44a394c015edfbcaaf81868496e158c1dc3d32e7dbae0c93ef99c"),
@@ -203,10 +208,10 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
         # NVIDIA main), told apart by what their reduction condition yields (structure/hooks.py).
         Shape("releases stale units lazily, reduces unsharded gradients once",
               structure="lazy_and_reduces_unsharded_once",
-              needs=frozenset({"single-rank-reduce"})),
+              needs=frozenset({"single-rank-reduce"}), carries=TE_GRAPHS),
         Shape("releases stale units lazily, reduces unsharded gradients in the hooks always",
               structure="lazy_and_reduces_unsharded_always",
-              needs=frozenset({"reduce-once", "single-rank-reduce"})),
+              needs=frozenset({"reduce-once", "single-rank-reduce"}), carries=TE_GRAPHS),
     ),
     # Fused wgrad accumulation overwrites main_grad where the parameter says so. Right with
     # sharded gradients (each microbatch's wgrad lands in a fresh bucket that is reduce-scattered

@@ -20,8 +20,9 @@ from .limits import (
     has_one_rank_gradient_group,
     scales_before_summing_a_shard,
     sharded,
+    te_partial_cuda_graphs,
 )
-from .registry import BUCKET_REDUCE, Shape
+from .registry import BUCKET_REDUCE, HOOKS, Shape
 from .states import FixState
 
 SHARDED_GRADS_SUMMED_UNSCALED = ReleaseDefect(
@@ -91,7 +92,31 @@ UNSHARDED_SHARD_ADDED_TO_ITSELF = ReleaseDefect(
 # single-rank-reduce repairs HSDP too (its not_covered). The audit takes a copy labelled before
 # them, or with no release label, as one that may add the buffer onto itself.
 SINGLE_RANK_NO_SELF_ADD_FROM = {"megatron-fsdp": "0.4.0", "megatron-core": "0.17.0"}
-UNREPAIRED_DEFECTS = (SHARDED_GRADS_SUMMED_UNSCALED, UNSHARDED_SHARD_ADDED_TO_ITSELF)
+TE_PARTIAL_CUDA_GRAPHS = ReleaseDefect(
+    "te-partial-cuda-graphs",
+    None,
+    {"megatron-fsdp": "0.1.0-0.6.1", "megatron-core": "0.14.0-0.19.2"},
+    "every copy: no release prepares Megatron-FSDP's hooks for TransformerEngine's graph "
+    "capture (NVIDIA main neither)",
+    "TransformerEngine's per-layer (partial) CUDA graphs with Megatron-FSDP: "
+    "TransformerConfig.cuda_graph_impl='transformer_engine' (Megatron-LM's --cuda-graph-impl "
+    "transformer_engine), or external_cuda_graph=True",
+    "numerical divergence and illegal memory access: TransformerEngine's "
+    "make_graphed_callables captures Megatron-FSDP's forward hooks, which wrap its backward "
+    "handlers, in the wrong phase (upstream's report; not measured here, it needs a GPU)",
+    ("set cuda_graph_impl='none' (no CUDA graphs)",
+     "cuda_graph_impl='full_iteration' (full-iteration CUDA graphs, the kind upstream supports "
+     "with Megatron-FSDP)"),
+    "NVIDIA/Megatron-LM#4231 and #4232 (open; they also need a TransformerEngine change)",
+    "every configuration it hits: no fix repairs it, and a model built in one is refused "
+    "(UnsupportedConfiguration) while the hotfix is loaded",
+    carrier=HOOKS, refused_when_built=True,
+    limits=(Limit("TransformerEngine's per-layer CUDA graphs (cuda_graph_impl="
+                  "'transformer_engine' or external_cuda_graph)", te_partial_cuda_graphs,
+                  "", ""),),
+)
+UNREPAIRED_DEFECTS = (SHARDED_GRADS_SUMMED_UNSCALED, UNSHARDED_SHARD_ADDED_TO_ITSELF,
+                      TE_PARTIAL_CUDA_GRAPHS)
 RELEASE_DEFECTS = (*(fix.defect for fix in FIXES if fix.defect is not None), *UNREPAIRED_DEFECTS)
 # The limits of the defects no fix repairs, marked with their defect ("" failure or workaround:
 # the defect's symptom, its workarounds).

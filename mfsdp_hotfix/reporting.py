@@ -148,7 +148,7 @@ def release_defects(fixes: dict[str, tuple[str, str]],
             "releases": dict(defect.releases), "git_trees": defect.git_trees,
             "configuration": defect.configuration, "symptom": defect.symptom,
             "workarounds": list(defect.workarounds), "upstream": defect.upstream,
-            "not_covered": defect.not_covered})
+            "not_covered": defect.not_covered, "refused_when_built": defect.refused_when_built})
     return found
 
 
@@ -290,6 +290,7 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
             by_state.setdefault(state, []).append(fix)
             if fix not in {defect["fix"] for defect in defects}:
                 remedies.append(f"use {DOUBLE_BUFFER_OFF}")
+        defects = [defect for defect in defects if not refused_when_built(defect, copy)]
         remedies += [f"for {defect['name']} use {defect['workarounds'][0]}" for defect in defects
                      if defect["fix"] in gaps or not defect["repaired"]]
         told: list[str] = []
@@ -324,6 +325,14 @@ def _unprotected(copies: list[dict[str, Any]], hotfix: str | None,
     # each once, the one that covers most first
     remedies = sorted(dict.fromkeys(remedies), key=lambda r: r != f"use {DOUBLE_BUFFER_OFF}")
     return reasons, list(dict.fromkeys(short)), remedies
+
+
+def refused_when_built(defect: dict[str, Any], copy: dict[str, Any]) -> bool:
+    """Whether ``defect`` (no fix repairs it) is refused wherever it hits, in this process: the
+    verdict names it among the refusals (:func:`_refusals`), not as unprotected."""
+    return bool(defect.get("refused_when_built")) and all(
+        limit.get("refused_at_model_construction") for limit in copy.get("limits", [])
+        if limit.get("defect") == defect["name"])
 
 
 def remedies(copy: dict[str, Any], hotfix: str | None) -> list[str]:

@@ -100,7 +100,8 @@ def _unfixed(data: dict[str, Any]) -> list[str]:
                             f"{reporting.UNPROTECTING['not loaded']}")
         problems += [f"{name}: release defect {defect['name']} not repaired (no fix repairs it; "
                      f"{defect['configuration']})"
-                     for defect in copy.get("release_defects", []) if defect["fix"] is None]
+                     for defect in copy.get("release_defects", [])
+                     if defect["fix"] is None and not reporting.refused_when_built(defect, copy)]
     return problems
 
 
