@@ -104,7 +104,7 @@ TE_PARTIAL_CUDA_GRAPHS = ReleaseDefect(
     "numerical divergence and illegal memory access: TransformerEngine's "
     "make_graphed_callables captures Megatron-FSDP's forward hooks, which wrap its backward "
     "handlers, in the wrong phase (upstream's report; not measured here, it needs a GPU)",
-    ("set cuda_graph_impl='none' (no CUDA graphs)",
+    ("cuda_graph_impl='none' (no CUDA graphs)",
      "cuda_graph_impl='full_iteration' (full-iteration CUDA graphs, the kind upstream supports "
      "with Megatron-FSDP)"),
     "NVIDIA/Megatron-LM#4231 and #4232 (open; they also need a TransformerEngine change)",

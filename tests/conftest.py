@@ -20,6 +20,13 @@ from installed import installed  # noqa: E402, F401  (session fixture: this pack
 REFUSES_HSDP = ("refused at model construction, if you build: HSDP with ZeRO-1 (optim) and "
                 "overlap_grad_reduce=False, HSDP with no_shard and overlap_grad_reduce=False (no "
                 "fix makes it right): use overlap_grad_reduce=True (the default)")
+# Every copy carries te-partial-cuda-graphs: status lists its refusal on a line of its own.
+TE_GRAPHS = ("TransformerEngine's per-layer CUDA graphs (cuda_graph_impl='transformer_engine' or "
+             "external_cuda_graph)")
+REFUSES_TE_GRAPHS = (f"refused at model construction, if you build: {TE_GRAPHS} (no fix makes it "
+                     "right): use cuda_graph_impl='none' (no CUDA graphs) or "
+                     "cuda_graph_impl='full_iteration' (full-iteration CUDA graphs, the kind "
+                     "upstream supports with Megatron-FSDP)")
 
 
 def verdict_line(text: str) -> str:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REFUSES_HSDP, FixStates, run_python, verdict_line
+from conftest import REFUSES_HSDP, REFUSES_TE_GRAPHS, TE_GRAPHS, FixStates, run_python, verdict_line
 
 from mfsdp_hotfix import bootstrap, reporting
 
@@ -65,10 +65,10 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
         ("getter-guard", True), ("ordered-drain", True), ("zero1-accumulate", True),
         ("reduce-once", False), ("reduce-once", False), ("reduce-once", True),
         ("reduce-once", True), ("single-rank-reduce", True), ("root-forward-hooks", True),
-        ("auto-sync-stop", True)]
+        ("auto-sync-stop", True), (None, False)]
     assert [x["configuration"] for x in copy["limits"] if not x["covered"]] == [
         "HSDP with ZeRO-1 (optim) and overlap_grad_reduce=False",
-        "HSDP with no_shard and overlap_grad_reduce=False"]
+        "HSDP with no_shard and overlap_grad_reduce=False", TE_GRAPHS]
 
 
 def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
@@ -93,7 +93,8 @@ def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
         # the release defect no fix repairs (docs/OLDEST_RELEASES.md)
         "ZeRO-2/3 (optim_grads, optim_grads_params) over 2 or more data-parallel ranks with the "
         "gradients scaled before a SUM reduction (gradient_reduce_div_fusion=False or a bf16 "
-        "gradient buffer, without calculate_per_token_loss or average_in_collective)": False}
+        "gradient buffer, without calculate_per_token_loss or average_in_collective)": False,
+        TE_GRAPHS: False}  # every copy: refused when built
 
 
 def test_a_release_defect_no_fix_repairs_fails_the_check(fsdp_release) -> None:
@@ -111,7 +112,8 @@ def test_a_release_defect_no_fix_repairs_fails_the_check(fsdp_release) -> None:
     assert details[1] == ("instead: for sharded-grads-summed-unscaled use "
                           "calculate_per_token_loss=True (the release scales nothing; the loss "
                           "carries the normalisation)"), details
-    (defect,) = [d for d in data["copies"][0]["release_defects"] if d["fix"] is None]
+    defect, graphs = [d for d in data["copies"][0]["release_defects"] if d["fix"] is None]
+    assert graphs["name"] == "te-partial-cuda-graphs" and graphs["refused_when_built"]
     assert defect["name"] == "sharded-grads-summed-unscaled" and not defect["repaired"]
     assert defect["carrier"] == {"function": "GradReducePipeline._bucket_group_gradient_reduce",
                                  "shape": "0.14"}
@@ -173,8 +175,10 @@ def test_switched_off_leaves_unfixed_only_what_the_copy_needs(fsdp_release, vers
     # and auto-sync-stop, which every release needs (its limit: model auto-sync with a buffer
     # reduced in place)
     auto_sync = ["auto-sync-stop"]
-    # and 0.1.0's defect that no fix repairs (docs/OLDEST_RELEASES.md)
-    unrepaired = ["sharded-grads-summed-unscaled"] if version == "0.1.0" else []
+    # and 0.1.0's defect that no fix repairs (docs/OLDEST_RELEASES.md), and every copy's
+    # te-partial-cuda-graphs, which nothing refuses with the hotfix off
+    unrepaired = (["sharded-grads-summed-unscaled"] if version == "0.1.0" else []) + [
+        "te-partial-cuda-graphs"]
     assert code == 1 and list(dict.fromkeys(x["fix"] or x["defect"] for x in copy["limits"])) == (
         needed + outside + root + auto_sync + unrepaired)
     fixes = [line for line in data["unfixed"] if ": release defect " not in line]
@@ -237,7 +241,10 @@ def test_the_verdict_of_a_switched_off_install(fsdp_release) -> None:
         "affected": True, "protected": False,
         "line": "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: MFSDP_HOTFIX=0; use "
                 "fsdp_double_buffer=False",
-        "details": ["why: MFSDP_HOTFIX=0", "instead: use fsdp_double_buffer=False",
+        "details": ["why: MFSDP_HOTFIX=0",
+                    # with the hotfix off nothing refuses it
+                    "why: te-partial-cuda-graphs is not repaired by the hotfix (it hits "
+                    f"{TE_GRAPHS})", "instead: use fsdp_double_buffer=False",
                     "instead: for zero1-fused-wgrad-overwrite use ZeRO-2 or ZeRO-3 (optim_grads, "
                     "optim_grads_params)", "instead: for unsharded-grads-reduced-twice use "
                     "overlap_grad_reduce=True (the default)", "instead: for "
@@ -247,7 +254,9 @@ def test_the_verdict_of_a_switched_off_install(fsdp_release) -> None:
                     "fully_shard_optimizer, where no checkpoint is loaded",
                     "instead: for root-hooks-skipped use register a parameter-free module last, "
                     "run last (e.g. an nn.Identity head applied to the output), and keep no "
-                    "parameter on the root module itself (move it into a child module)"]}
+                    "parameter on the root module itself (move it into a child module)",
+                    "instead: for te-partial-cuda-graphs use cuda_graph_impl='none' (no CUDA "
+                    "graphs)"]}
 
 
 def test_the_api_answers_for_this_process(fsdp_release) -> None:
@@ -260,7 +269,7 @@ def test_the_api_answers_for_this_process(fsdp_release) -> None:
         "line": "affected: megatron-fsdp 0.6.1 (era C) — protected: the hotfix is active",
         "details": ["applies ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce, "
                     "inert-warm-up, auto-sync-stop",
-                    REFUSES_HSDP]}
+                    REFUSES_HSDP, REFUSES_TE_GRAPHS]}
 
 
 def test_disabled_fix_fails_the_check(fsdp_release) -> None:
@@ -290,7 +299,7 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
     assert [d["name"] for d in data["copies"][0]["release_defects"]] == [
         "zero1-fused-wgrad-overwrite", "unsharded-grads-reduced-twice",
         "single-rank-grads-reduced-every-microbatch", "optimizer-warm-up-step",
-        "root-hooks-skipped"]
+        "root-hooks-skipped", "te-partial-cuda-graphs"]
     assert status(root, check=False)[0] == 0
 
 
@@ -310,19 +319,20 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
     if path_kind == "none":
         assert lines[0] == "not affected: no Megatron-FSDP copy found"
         return
-    assert lines[:4] == [
+    assert lines[:5] == [
         "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed",
         "  applies getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce, "
         "inert-warm-up, root-forward-hooks, auto-sync-stop",
         "  refused at model construction, if you build: HSDP with ZeRO-1 (optim) and "
         "overlap_grad_reduce=False (no fix makes it right): use overlap_grad_reduce=True (the "
         "default)",
+        f"  {REFUSES_TE_GRAPHS}",
         "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate, "
         "reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks, auto-sync-stop "
         f"would apply; at "
         f"{fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
-    assert lines[4].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
-                             "on PYTHONPATH") and len(lines) == 6, lines
+    assert lines[5].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
+                             "on PYTHONPATH") and len(lines) == 7, lines
     assert "main_grad_getter" not in proc.stdout and "release defect " not in proc.stdout
     verbose = run_python("", ARMED, *path, args=("-m", "mfsdp_hotfix", "status",
                                                  "--verbose")).stdout

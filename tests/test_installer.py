@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import releases
-from conftest import REFUSES_HSDP, FixStates, run_python
+from conftest import REFUSES_HSDP, REFUSES_TE_GRAPHS, FixStates, run_python
 
 REPORT = """
 import json, sys
@@ -241,7 +241,7 @@ def test_refused_copy_warns_once_and_keeps_only_the_fixes_that_rest_on_none_of_i
     assert [(d["name"], d["repaired"]) for d in copy["release_defects"]] == [
         ("zero1-fused-wgrad-overwrite", True), ("unsharded-grads-reduced-twice", True),
         ("single-rank-grads-reduced-every-microbatch", True), ("optimizer-warm-up-step", True),
-        ("root-hooks-skipped", True)]
+        ("root-hooks-skipped", True), ("te-partial-cuda-graphs", False)]
     assert proc.stderr.count("NOT patching megatron-fsdp") == 1
     assert "run with fsdp_double_buffer=False to avoid the double-buffer gradient bugs (ZeRO-2/3)" \
         in proc.stderr
@@ -359,7 +359,7 @@ incidents.report("ordered-drain", "_enforce_double_buffer_limit", RuntimeError("
         "instead: use fsdp_double_buffer=False",
         "refused at model construction, if you build: ZeRO-2/3 (optim_grads, optim_grads_params) "
         "with fsdp_double_buffer=True (no fix makes it right): set fsdp_double_buffer=False",
-        REFUSES_HSDP]}
+        REFUSES_HSDP, REFUSES_TE_GRAPHS]}
     assert fixes(data)["ordered-drain"] == "failed"
     (copy,) = data["status"]["copies"]
     assert copy["fixes"]["ordered-drain"]["reason"] == (

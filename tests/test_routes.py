@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REFUSES_HSDP, REPO, verdict_line
+from conftest import REFUSES_HSDP, REFUSES_TE_GRAPHS, REPO, verdict_line
 from installed import Installed  # its session fixture `installed` comes from conftest
 
 pytestmark = pytest.mark.slow
@@ -153,16 +153,16 @@ def test_status(installed: Installed) -> None:
     plain = installed.sh(readme("mfsdp-hotfix status"))
     assert plain.returncode == 0 and plain.stderr == "", plain.stderr
     lines = plain.stdout.splitlines()
-    assert lines[:3] == ["affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed",
+    assert lines[:4] == ["affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed",
                          "  applies getter-guard, ordered-drain, zero1-accumulate, reduce-once, "
                          "single-rank-reduce, inert-warm-up, root-forward-hooks, auto-sync-stop",
-                         f"  {REFUSES_HSDP}"], lines
-    assert lines[3].startswith("- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain, "
+                         f"  {REFUSES_HSDP}", f"  {REFUSES_TE_GRAPHS}"], lines
+    assert lines[4].startswith("- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain, "
                                "zero1-accumulate, reduce-once, single-rank-reduce, inert-warm-up, "
                                "root-forward-hooks, auto-sync-stop would apply; at "), lines
     assert re.fullmatch(r"mfsdp-hotfix \S+, in a new Python process of this environment: the "
                         r"hotfix is armed at interpreter start by \S+/site-packages/"
-                        r"mfsdp_hotfix\.pth", lines[4]), lines
+                        r"mfsdp_hotfix\.pth", lines[5]), lines
     verbose = installed.sh("mfsdp-hotfix status --verbose")
     assert verbose.stdout.splitlines()[0] == lines[0]
     assert "    getter-guard: would apply (" in verbose.stdout
@@ -181,11 +181,11 @@ def test_status_path(installed: Installed) -> None:
     proc = installed.sh(readme("mfsdp-hotfix status --path DIR", DIR=folder))
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[:3] == ["affected: megatron-fsdp 0.5.1 (era B) — repaired where the hotfix is "
+    assert lines[:4] == ["affected: megatron-fsdp 0.5.1 (era B) — repaired where the hotfix is "
                          "loaded", "  applies getter-guard, ordered-drain, zero1-accumulate, "
                          "reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks, "
-                         "auto-sync-stop", f"  {REFUSES_HSDP}"], lines
-    assert lines[3].startswith("- megatron-fsdp 0.5.1 (era B): "), lines
+                         "auto-sync-stop", f"  {REFUSES_HSDP}", f"  {REFUSES_TE_GRAPHS}"], lines
+    assert lines[4].startswith("- megatron-fsdp 0.5.1 (era B): "), lines
     assert f"for the folder {folder}, read from disk (nothing imported)" in proc.stdout
 
 
@@ -195,11 +195,17 @@ def test_switched_off(installed: Installed) -> None:
     check = installed.sh("MFSDP_HOTFIX=0 mfsdp-hotfix status --check --verbose")
     assert check.returncode == 1 and check.stdout.startswith(
         "affected: megatron-fsdp 0.5.1 (era B) — NOT protected: MFSDP_HOTFIX=0; use "
-        "fsdp_double_buffer=False\n  why: MFSDP_HOTFIX=0\n  instead: use fsdp_double_buffer=False\n"
+        "fsdp_double_buffer=False\n  why: MFSDP_HOTFIX=0\n  why: te-partial-cuda-graphs is not "
+        "repaired by the hotfix (it hits TransformerEngine's per-layer CUDA graphs "
+        "(cuda_graph_impl='transformer_engine' or external_cuda_graph))\n"
+        "  instead: use fsdp_double_buffer=False\n"
         "  instead: for zero1-fused-wgrad-overwrite use "), check.stdout[-2000:]
     assert ": the hotfix is off: MFSDP_HOTFIX=0 switches every fix off" in check.stdout
     assert "    missed-post-backward: not needed (" in check.stdout, check.stdout[-2000:]
     unfixed = check.stdout.split("\nLeft unfixed:\n", 1)[1].splitlines()
+    # and the defect nothing refuses with the hotfix off
+    assert unfixed.pop().split(": ", 1)[1].startswith("release defect te-partial-cuda-graphs not "
+                                                      "repaired"), unfixed
     assert [line.rsplit(": ", 1)[1] for line in unfixed] == [
         "getter-guard off (MFSDP_HOTFIX=0)", "ordered-drain off (MFSDP_HOTFIX=0)",
         "zero1-accumulate off (MFSDP_HOTFIX=0)", "reduce-once off (MFSDP_HOTFIX=0)",

@@ -206,7 +206,8 @@ def _copy_line(copy: dict[str, Any], hotfix: str | None) -> str:
             by_state.setdefault(state["state"], []).append(fix)
     left = ", ".join(by_state.pop(FixState.REFUSED, [])) if copy["refused"] else ""
     parts = [f"{', '.join(names)} {state}" for state, names in by_state.items()]
-    unrepaired = [defect for defect in copy.get("release_defects", []) if defect["fix"] is None]
+    unrepaired = [defect for defect in copy.get("release_defects", []) if defect["fix"] is None
+                  and not reporting.refused_when_built(defect, copy)]
     parts += [f"{defect['name']} NOT repaired" for defect in unrepaired]
     if copy["refused"]:
         parts = ([f"REFUSED: {left + ' ' if left else ''}left as shipped"] + parts
@@ -236,8 +237,10 @@ def _copy_lines(copy: dict[str, Any]) -> list[str]:
     for fix, state in copy["fixes"].items():
         lines.append(f"    {fix}: {state['state']} ({state['reason']})")
     for defect in copy.get("release_defects", []):
+        refused = reporting.refused_when_built(defect, copy)
         lines += [f"    release defect {defect['name']}: "
-                  + ("repaired" if defect["repaired"] else "NOT repaired")
+                  + ("repaired" if defect["repaired"] else
+                     "refused when a model is built" if refused else "NOT repaired")
                   + (f" ({defect['fix']}: {defect['fix_state']})" if defect["fix"] else
                      f" (no fix repairs it; {_carrier_words(defect['carrier'])})"),
                   f"      when: {defect['configuration']}",
