@@ -16,6 +16,8 @@ VALIDATION = os.path.dirname(PACKAGE)
 if sys.path[0] == PACKAGE:
     sys.path[0] = VALIDATION
 
+import case_selection  # noqa: E402
+
 import megatron_lm  # noqa: E402
 from megatron_lm.arguments import pretrain_args  # noqa: E402
 from megatron_lm.plan import GROUPS, RELEASES, UNIT_TESTS, selected  # noqa: E402
@@ -35,19 +37,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="print the summary of the runs judged against a reference (raw records)")
     p.add_argument("--reference-report", metavar="JSON",
                    help="print the markdown tables of a reference summary")
-    p.add_argument("--megatron-lm", action="append", default=[], metavar="[RELEASE=]DIR")
-    p.add_argument("--releases", default=",".join(RELEASES))
-    p.add_argument("--groups", default=",".join(GROUPS))
-    p.add_argument("--only", default="", help="regular expression on the case ids")
-    p.add_argument("--wheels", default=os.path.join(VALIDATION, "wheels"))
-    p.add_argument("--workers", type=int, default=10)
-    p.add_argument("--budget-s", type=float, default=520.0)
+    case_selection.add_arguments(p, RELEASES, GROUPS, workers=10)
     p.add_argument("--case-timeout", type=float, default=240.0)
     p.add_argument("--unit-timeout", type=float, default=300.0)
-    a = p.parse_args(argv)
-    a.releases = tuple(r for r in a.releases.split(",") if r)
-    a.groups = tuple(g for g in a.groups.split(",") if g)
-    return a
+    return case_selection.parse(p, argv)
 
 
 def print_plan(a: argparse.Namespace) -> None:

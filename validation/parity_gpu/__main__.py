@@ -19,6 +19,8 @@ if sys.path[0] == PACKAGE:
 if os.path.dirname(VALIDATION) not in sys.path:
     sys.path.append(os.path.dirname(VALIDATION))
 
+import case_selection  # noqa: E402
+
 import parity_gpu  # noqa: E402
 from parity_gpu.plan import GROUPS, RELEASES, selected  # noqa: E402
 
@@ -31,17 +33,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="check each case's pretrain_gpt.py arguments with the release's own "
                    "parser (DIR: the unpacked megatron-core wheel)")
     p.add_argument("--report", metavar="RECORD", nargs="+", help="print the markdown tables")
-    p.add_argument("--megatron-lm", action="append", default=[], metavar="[RELEASE=]DIR")
-    p.add_argument("--releases", default=",".join(RELEASES))
-    p.add_argument("--groups", default=",".join(GROUPS))
-    p.add_argument("--only", default="", help="regular expression on the case ids")
-    p.add_argument("--wheels", default=os.path.join(VALIDATION, "wheels"))
-    p.add_argument("--workers", type=int, default=12)
-    p.add_argument("--budget-s", type=float, default=520.0)
-    a = p.parse_args(argv)
-    a.releases = tuple(r for r in a.releases.split(",") if r)
-    a.groups = tuple(g for g in a.groups.split(",") if g)
-    return a
+    case_selection.add_arguments(p, RELEASES, GROUPS, workers=12)
+    return case_selection.parse(p, argv)
 
 
 def print_plan(a: argparse.Namespace) -> None:
