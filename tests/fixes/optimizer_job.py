@@ -164,6 +164,21 @@ def compare_with_reference(config: dict[str, Any], seen: list[dict[str, Any]], i
     return result
 
 
+def fsdp(release: str) -> Path:
+    """The unpacked megatron-fsdp ``release``, for :func:`run_job`."""
+    import releases
+
+    return releases.unpacked("megatron-fsdp", release)
+
+
+def assert_exact(report: dict[str, Any]) -> None:
+    """Rank 0's report: the wrapped model, the output, the gradient norm and the parameters
+    after the step all equal plain PyTorch's."""
+    assert "exception" not in report and "died" not in report, report
+    for key in ("wrapped", "out", "grad_norm", "params"):
+        assert report[key]["outcome"] == "exact", (key, report[key])
+
+
 def run_job(release: Path, hotfix: bool, world: int = 2, **config: Any) -> dict[str, Any]:
     """Every rank of one run, as a test runs it; rank 0's report, or ``{"died": returncodes}``
     where no rank 0 report was written (a rank killed by a signal: SIGSEGV is -11)."""

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import releases
 import torch
+import vendored_copy
 from conftest import run_python
 
 from mfsdp_hotfix import (
@@ -35,7 +36,6 @@ from mfsdp_hotfix import (
     installer,
     registry,
     release_defects,
-    settings,
 )
 from mfsdp_hotfix.fixes import core_linear_accumulate
 from mfsdp_hotfix.selftest.runner import run_case
@@ -53,14 +53,8 @@ MAIN = "d98e8a64dd"
 LAYERS = "megatron/core/tensor_parallel/layers.py"
 
 
-def _vendored(root: Path) -> detection.Detection:
-    found = detection.find_installed(VENDORED, [str(root)])
-    assert found is not None
-    return detection.detect_file(VENDORED, found, installed=False)
-
-
 def _state(found: detection.Detection) -> str:
-    return installer.fix_state(FIX, found, settings.read(known_fixes=fix_catalogue.FIX_IDS))[0]
+    return vendored_copy.fix_state(FIX, found)
 
 
 def test_every_megatron_core_release_is_downloaded_and_has_its_shape() -> None:
@@ -69,7 +63,7 @@ def test_every_megatron_core_release_is_downloaded_and_has_its_shape() -> None:
 
 @pytest.mark.parametrize("version", sorted(SHIPPED))
 def test_every_release_needs_the_fix(version: str) -> None:
-    found = _vendored(releases.unpacked("megatron-core", version))
+    found = vendored_copy.detect(releases.unpacked("megatron-core", version))
     shape = found.shapes[registry.CORE_LINEAR_BACKWARD]
     assert shape is not None and shape.name == SHIPPED[version]
     assert found.matched_by[registry.CORE_LINEAR_BACKWARD] == detection.FINGERPRINT
@@ -146,12 +140,12 @@ def test_a_vendored_tree_without_megatron_cores_layers_does_not_need_it(tmp_path
     core = releases.unpacked("megatron-core", "0.19.2")
     package = Path(*VENDORED.package.split("."))
     shutil.copytree(core / package, tmp_path / package)
-    assert _state(_vendored(tmp_path)) == "not needed"
+    assert _state(vendored_copy.detect(tmp_path)) == "not needed"
     (tmp_path / LAYERS).parent.mkdir()  # the package is there, its fused linear is not
-    assert _state(_vendored(tmp_path)) == "unverified"
+    assert _state(vendored_copy.detect(tmp_path)) == "unverified"
     (tmp_path / LAYERS).write_text("class LinearWithGradAccumulationAndAsyncCommunication:\n"
                                    "    pass\n")
-    assert _state(_vendored(tmp_path)) == "unverified"
+    assert _state(vendored_copy.detect(tmp_path)) == "unverified"
 
 
 def linear_function() -> Any:

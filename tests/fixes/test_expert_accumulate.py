@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import releases
+import vendored_copy
 from conftest import run_python
 
 from mfsdp_hotfix import (
@@ -35,7 +36,6 @@ from mfsdp_hotfix import (
     installer,
     registry,
     release_defects,
-    settings,
 )
 from mfsdp_hotfix.fixes import expert_accumulate
 from mfsdp_hotfix.structure import expert_main_grad, overwrite_setter
@@ -49,19 +49,13 @@ BEFORE = ("0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.0", "0.18.2")
 MAIN = "d98e8a64dd"
 
 
-def _vendored(root: Path) -> detection.Detection:
-    found = detection.find_installed(VENDORED, [str(root)])
-    assert found is not None
-    return detection.detect_file(VENDORED, found, installed=False)
-
-
 def _state(found: detection.Detection) -> str:
-    return installer.fix_state(FIX, found, settings.read(known_fixes=fix_catalogue.FIX_IDS))[0]
+    return vendored_copy.fix_state(FIX, found)
 
 
 @pytest.mark.parametrize("version", NEEDS)
 def test_releases_that_set_overwrite_main_grad_need_the_fix(version: str) -> None:
-    found = _vendored(releases.unpacked("megatron-core", version))
+    found = vendored_copy.detect(releases.unpacked("megatron-core", version))
     shape = found.shapes[GATE]
     assert shape is not None and shape.name == "0.19"
     assert found.matched_by[GATE] == detection.FINGERPRINT
@@ -72,7 +66,7 @@ def test_releases_that_set_overwrite_main_grad_need_the_fix(version: str) -> Non
 
 @pytest.mark.parametrize("version", BEFORE)
 def test_releases_whose_experts_never_name_the_flag_do_not_need_it(version: str) -> None:
-    found = _vendored(releases.unpacked("megatron-core", version))
+    found = vendored_copy.detect(releases.unpacked("megatron-core", version))
     assert GATE not in found.shapes and _state(found) == "not needed"
 
 
@@ -95,7 +89,7 @@ def test_an_experts_module_that_names_the_flag_elsewhere_is_unverified(tmp_path:
     experts.parent.mkdir(parents=True)
     experts.write_text("class TEGroupedMLP:\n    def elsewhere(self, p):\n"
                        "        p.overwrite_main_grad = True\n")
-    found = _vendored(root)
+    found = vendored_copy.detect(root)
     assert found.shapes[GATE] is None and _state(found) == "unverified"
 
 
@@ -255,7 +249,7 @@ def test_the_limit_is_zero1_or_one_rank_groups_with_op_fused_experts(
     assert limit.matches(_model("optim", True, experts.TEGroupedMLP))
     assert not limit.matches(_model("optim", False, experts.TEGroupedMLP))
     assert not limit.matches(_model("optim_grads_params", True, experts.TEGroupedMLP))
-    found = _vendored(releases.unpacked("megatron-core", "0.19.2"))
+    found = vendored_copy.detect(releases.unpacked("megatron-core", "0.19.2"))
     for state, refused in (("unverified", True), ("failed", True), ("applied", False),
                            ("disabled", False)):
         fixes = {fix.id: ("not needed", "") for fix in fix_catalogue.FIXES}

@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import releases
-from optimizer_job import OPTIMIZERS, optimizer_for, run_job
+from optimizer_job import OPTIMIZERS, assert_exact, fsdp, optimizer_for, run_job
 
 from mfsdp_hotfix.fixes import inert_warm_up
 
@@ -73,16 +72,6 @@ def test_another_optimizers_parameters_are_restored_and_its_state_left() -> None
     assert not torch.equal(params[0].detach(), torch.ones(3))
     assert inert_warm_up.undo_warm_up(optimizer, before) is False
     assert torch.equal(params[0].detach(), torch.ones(3))
-
-
-def fsdp(release: str) -> Any:
-    return releases.unpacked("megatron-fsdp", release)
-
-
-def assert_exact(report: dict[str, Any]) -> None:
-    assert "exception" not in report and "died" not in report, report
-    for key in ("wrapped", "out", "grad_norm", "params"):
-        assert report[key]["outcome"] == "exact", (key, report[key])
 
 
 @pytest.mark.slow

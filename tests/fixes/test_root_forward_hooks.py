@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import releases
 import torch
-from optimizer_job import run_job
+from optimizer_job import assert_exact, fsdp, run_job
 
 from mfsdp_hotfix import detection, fix_catalogue_outside, registry, release_defects
 from mfsdp_hotfix.selftest.runner import run_case
@@ -115,16 +115,6 @@ def test_a_model_with_a_head_is_left_bit_for_bit_as_it_was() -> None:
     assert not with_fix.crashed and not without.crashed, (with_fix.exception, without.exception)
     assert with_fix.grad_digest == without.grad_digest and with_fix.grad_digest
     assert with_fix.max_abs_grad_error == 0.0
-
-
-def fsdp(release: str) -> Any:
-    return releases.unpacked("megatron-fsdp", release)
-
-
-def assert_exact(report: dict[str, Any]) -> None:
-    assert "exception" not in report and "died" not in report, report
-    for key in ("wrapped", "out", "grad_norm", "params"):
-        assert report[key]["outcome"] == "exact", (key, report[key])
 
 
 @pytest.mark.slow
