@@ -289,6 +289,7 @@ def job_files(work: Path, run: str) -> dict[str, str]:
     return {p.name: p.read_text() for p in (work / "runs" / run / "jobs").glob("*.jsonl")}
 
 
+@pytest.mark.long  # a GPU driver end to end on the CPU: validation runs it
 def test_smoke_phase_runs_end_to_end_on_cpu(wheels: Path, tmp_path: Path) -> None:
     """Real megatron-fsdp 0.4.0 (era A) through the engine, its worker processes, truths,
     optimizer steps, the audit and the report. On CPU nothing races: the shipped release

@@ -95,6 +95,7 @@ def test_every_judged_run_has_its_reference_first_and_differs_from_it_only_where
     assert all("|det|" not in c["id"] and not c.get("judge") for c in plan())
 
 
+@pytest.mark.long  # a GPU driver end to end on the CPU: validation runs it
 @pytest.mark.parametrize("release", RELEASES)
 def test_both_releases_parse_the_reference_and_the_judged_command_lines_as_meant(
         release: str) -> None:

@@ -269,6 +269,7 @@ def test_the_unit_tests_are_collected_where_they_will_run_before_they_run(
     assert "No module named 'hybrid_builders'" in r["error"], r["error"]
 
 
+@pytest.mark.long  # a GPU driver end to end on the CPU: validation runs it
 def test_a_unit_test_file_past_its_limit_is_killed_with_its_worker_and_keeps_what_it_ended(
         tmp_path: Path, monkeypatch: Any) -> None:
     checkout, release, rel = tmp_path / "mlm", tmp_path / "wheel", "core-0.18.2"

@@ -335,6 +335,7 @@ def test_the_floors_are_tied_to_the_recorded_verdicts() -> None:
     assert floor_violations(real, FLOORS) == []
 
 
+@pytest.mark.long  # a GPU driver end to end on the CPU: validation runs it
 def test_two_cases_end_to_end_through_the_real_command(tmp_path: Path, monkeypatch) -> None:
     """The driver runs ``mfsdp-hotfix parity --json`` as the GPU call does, on a stand-in for
     pretrain_gpt.py (no GPU here; it prints Megatron-LM's lines, and without the hotfix a grad
