@@ -59,9 +59,11 @@ def limits(found: Detection, fixes: dict[str, tuple[str, str]],
     return out
 
 
-def check(found: Detection, fixes: dict[str, tuple[str, str]], model: Any) -> None:
+def check(found: Detection, fixes: dict[str, tuple[str, str]], model: Any,
+          config_changed: bool = False) -> None:
     """Raise :class:`~mfsdp_hotfix.UnsupportedConfiguration` if ``model`` (a MegatronFSDP just
-    built) is in a configuration this copy is not covered for and that is refused."""
+    built, or ``config_changed`` since) is in a configuration this copy is not covered for and
+    that is refused."""
     from .errors import UnsupportedConfiguration
 
     for limit in LIMITS:
@@ -79,7 +81,9 @@ def check(found: Detection, fixes: dict[str, tuple[str, str]], model: Any) -> No
         raise UnsupportedConfiguration(
             f"mfsdp_hotfix: {found.copy.distribution} "
             f"{found.version or '(version unknown)'} at {found.module_path} is not covered "
-            f"for {limit.configuration}: {why}. As shipped this configuration fails "
+            f"for {limit.configuration}"
+            f"{' (its ddp_config was changed after the model was built)' if config_changed else ''}"
+            f": {why}. As shipped this configuration fails "
             f"({_failure(limit, found)}). Workaround: {limit.workaround}.")
 
 

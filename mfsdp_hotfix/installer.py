@@ -24,6 +24,7 @@ from typing import Any
 import wrapt
 
 from . import (
+    built_configs,
     coverage,
     crossrank,
     detection,
@@ -303,6 +304,9 @@ def _apply_fixes(record: CopyRecord, copy: Copy, target: str) -> None:
         record.undo["model-built"] = wrap_attribute(
             module.MegatronFSDP, "__init__", functools.partial(_after_model_init, record),
             "model-built")
+        record.undo["config-changed"] = wrap_attribute(
+            module.MegatronFSDP, "finish_grad_sync",
+            functools.partial(_before_grad_sync, record), "config-changed")
 
 
 def _after_model_init(record: CopyRecord, wrapped: Any, instance: Any, args: tuple[Any, ...],
@@ -313,6 +317,7 @@ def _after_model_init(record: CopyRecord, wrapped: Any, instance: Any, args: tup
     with _lock:
         _note_failures()
     coverage.check(record.detection, record.fixes, instance)
+    built_configs.remember(instance)
     global _summary_logged
     if not _summary_logged:
         _summary_logged = True
@@ -327,6 +332,17 @@ def _after_model_init(record: CopyRecord, wrapped: Any, instance: Any, args: tup
 
 
 _summary_logged = False
+
+
+def _before_grad_sync(record: CopyRecord, wrapped: Any, instance: Any, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+    """A config changed since the model was built (``built_configs``) is judged again before
+    its gradients are synchronised, so a refused configuration is stopped before the optimizer
+    step uses them."""
+    if built_configs.changed(instance):
+        coverage.check(record.detection, record.fixes, instance, config_changed=True)
+        built_configs.remember(instance)
+    return wrapped(*args, **kwargs)
 
 
 def _repair_existing(record: CopyRecord, model_module: ModuleType) -> None:

@@ -199,7 +199,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("__about__", "variables", "settings", "versions", "fingerprints",
                      "patching", "incidents", "guard", "happens_before", "compare",
                      "verdict_text", "processes")),
-    ("reading", ("detection", "v2", "coverage", "slot_reuse", "crossrank")),
+    ("reading", ("detection", "v2", "built_configs", "coverage", "slot_reuse", "crossrank")),
     ("fixes", ("fixes",)),
     ("observing", ("audit",)),
     ("installing", ("installer", "trigger", "bootstrap", "sitecustomize")),

@@ -152,6 +152,7 @@ def merge(spec: CaseSpec, reports: list[dict[str, Any] | None], codes: list[int]
         _merge_audit(result, present)
     result.release = dict(rank0.get("release") or (present[0].get("release") if present else {})
                           or {})
+    result.grad_reduce = rank0.get("grad_reduce")
     result.hotfix_status = rank0.get("hotfix_status")
     worker_times = [float(r["worker_s"]) for r in present if "worker_s" in r]
     result.worker_s = max(worker_times) if worker_times else None

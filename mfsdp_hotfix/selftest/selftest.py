@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from mfsdp_hotfix.selftest.runner import run_case
-from mfsdp_hotfix.selftest.spec import CaseResult, CaseSpec
+from mfsdp_hotfix.selftest.spec import BY_COPY, CaseResult, CaseSpec
 from mfsdp_hotfix.verdict_text import block, first_line
 
 # Float32 sums in a different order (bucketed reduce-scatter vs one reference backward): a
@@ -209,7 +209,7 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
     for cannot be imported (:func:`cannot_run`).
     """
     stream = out if out is not None else sys.stdout
-    base = CaseSpec(**(spec if spec is not None else CaseSpec()).__dict__)
+    base = CaseSpec(**(spec if spec is not None else CaseSpec(grad_reduce=BY_COPY)).__dict__)
     base.path, base.flavour = path if path is not None else base.path, flavour
     base.audit = base.audit or audit
     if protocol is not None:
@@ -241,6 +241,10 @@ def run_selftest(path: str | None = None, flavour: str = "auto",
     if release:
         stream.write(f"Megatron-FSDP: {release.get('dist')} {release.get('version')} "
                      f"({release.get('flavour')}) at {release.get('path')}\n")
+    if base.grad_reduce == BY_COPY and any(r.grad_reduce == "per-token" for _, r in runs):
+        stream.write("gradients reduced per-token (calculate_per_token_loss=True): this copy "
+                     "has sharded-grads-summed-unscaled, whose scale-then-sum reduction no fix "
+                     "repairs (refused with the hotfix)\n")
     stream.write(format_table(runs) + "\n")
     if base.audit:
         stream.write(format_audit(runs) + "\n")

@@ -16,6 +16,11 @@ FLAVOURS = ("auto", "standalone", "core")
 ZERO_STAGE = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 HOTFIX_MODES = ("on", "off")
 GRAD_REDUCES = ("scale-then-sum", "per-token", "premul-sum")
+# The selftest command's reduction: "scale-then-sum", but "per-token" on a copy whose
+# scale-then-sum reduction is wrong (sharded-grads-summed-unscaled, megatron-fsdp 0.1.0-0.2.3 /
+# megatron-core 0.14-0.15), which the hotfix refuses instead of repairing; each worker decides
+# from the copy it imported and reports which it ran (CaseResult.grad_reduce).
+BY_COPY = "by-copy"
 
 
 @dataclass
@@ -36,6 +41,7 @@ class CaseSpec:
     path scales the local shard instead of the bucket it reduces (see docs/OLDEST_RELEASES.md).
     "premul-sum": the release's default ``gradient_reduce_div_fusion=True``, with NCCL's
     PREMUL_SUM emulated on gloo (``premul``): the buffer reduced is not scaled in place.
+    ``BY_COPY``: one of the first two, chosen by the copy (the selftest command's).
     ``protocol``: how the microbatches of a step are driven (``protocol.PROTOCOLS``):
     "megatron-lm" (``no_sync()`` around all but the last) or "auto-sync" (fully_shard's default).
     ``audit``: run the workers with ``MFSDP_HOTFIX_AUDIT`` set, so that the audit's counts can be
@@ -123,7 +129,10 @@ class CaseSpec:
                     f"{self.protocol} protocol")
         if not self.overlap_grad_reduce:
             bits.append("overlap_grad_reduce=False")
-        if self.grad_reduce != "scale-then-sum":
+        if self.grad_reduce == BY_COPY:
+            bits.append("grad reduce scale-then-sum (per-token on a copy with "
+                        "sharded-grads-summed-unscaled)")
+        elif self.grad_reduce != "scale-then-sum":
             bits.append(f"grad reduce {self.grad_reduce}")
         if self.linear != "emulated":
             bits.append(f"linear={self.linear}")
@@ -177,6 +186,7 @@ class CaseResult:
     worker_s: float | None = None  # slowest rank, imports included
     fsdp_s: float | None = None  # slowest rank, training loop only (wrap to last gather)
     release: dict[str, Any] = field(default_factory=dict)
+    grad_reduce: str | None = None  # the reduction the workers ran (BY_COPY: which they chose)
     hotfix_status: Any = None
     hotfix_import_error: str | None = None
     # the copy asked for could not be imported: {"module": the missing one or None, "error"}

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
@@ -34,7 +35,7 @@ from mfsdp_hotfix.selftest.gradient_check import (
     reference_gradients,
     sgd_step,
 )
-from mfsdp_hotfix.selftest.spec import CaseSpec
+from mfsdp_hotfix.selftest.spec import BY_COPY, CaseSpec
 from mfsdp_hotfix.selftest.wrapping import wrap
 
 if TYPE_CHECKING:  # at run time imported after the release is, by _install_checks
@@ -102,6 +103,8 @@ def run_rank(spec: CaseSpec, rank: int, world: int, store_path: str) -> dict[str
     if release is None:
         return report
     pgb, fully_shard = release
+    spec = _reduction_for(spec, pgb)
+    report["grad_reduce"] = spec.grad_reduce
     checker = _install_checks(spec, pgb)
     _join_group(spec, rank, world, store_path)
     inputs, targets = _batches(spec, world)
@@ -151,6 +154,20 @@ def _import_release(spec: CaseSpec, report: dict[str, Any]
     fully_shard = importlib.import_module(package.__name__ + ".fully_shard")
     report["hotfix_status"] = _hotfix_status()  # again: hooks may have fired on that import
     return pgb, fully_shard
+
+
+def _reduction_for(spec: CaseSpec, pgb: ModuleType) -> CaseSpec:
+    """``BY_COPY`` resolved for the copy imported: per-token where its code has, or may have,
+    sharded-grads-summed-unscaled (scale-then-sum is wrong there as shipped and refused with the
+    hotfix: no fix to show), scale-then-sum elsewhere."""
+    if spec.grad_reduce != BY_COPY:
+        return spec
+    from mfsdp_hotfix import detection, registry, release_defects
+
+    copy = next(copy for copy in registry.COPIES if copy.buffer_module == pgb.__name__)
+    has = release_defects.carried(release_defects.SHARDED_GRADS_SUMMED_UNSCALED,
+                                  detection.detect_module(copy, pgb).shapes)
+    return replace(spec, grad_reduce="scale-then-sum" if has is False else "per-token")
 
 
 def _install_checks(spec: CaseSpec, pgb: ModuleType) -> OrderingChecker:

@@ -50,14 +50,14 @@ OUTER_SKIPPED = "hsdp-outer-reduce-skipped-without-overlap"
 # The hotfix's fix for each release cause.
 REPAIRED_BY = {ZERO1_OVERWRITE: "zero1-accumulate", REDUCED_TWICE: "reduce-once",
                SINGLE_RANK: "single-rank-reduce"}
-# What the hotfix leaves: the release defects it neither repairs nor refuses yet in these rows
+# What the hotfix leaves: the release defects it neither repairs nor refuses in these rows
 # (docs/ACCUMULATION.md, "What users should do"); a fix or refusal for one of them must take it
-# off this list. SHARD_SCALED is refused when a model is built with
-# gradient_reduce_div_fusion=False, but this harness turns it off after the model is built
-# (selftest/wrapping.py), which that refusal cannot see. The auto-sync protocol's in-place
-# reduction is stopped since (auto-sync-stop, single-rank-reduce): its rows with the hotfix
-# are refused.
-UNREPAIRED = {SHARD_SCALED}
+# off this list. None is left: SHARD_SCALED is refused when a model is built with
+# gradient_reduce_div_fusion=False, and when that option is set on the built model's config, as
+# this harness does (selftest/wrapping.py), the step is stopped at its first gradient
+# synchronisation; the auto-sync protocol's in-place reduction is stopped too (auto-sync-stop,
+# single-rank-reduce).
+UNREPAIRED: set[str] = set()
 CAUSES = {
     ZERO1_OVERWRITE: "release: zero1-fused-wgrad-overwrite (megatron-fsdp sets "
                      "overwrite_main_grad for ZeRO-1 too, so each microbatch's fused wgrad "

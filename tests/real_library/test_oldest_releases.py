@@ -188,12 +188,20 @@ def test_scale_then_sum_gives_wrong_grads_as_shipped() -> None:
     assert result.max_abs_grad_error and result.max_abs_grad_error > 1e-3, describe(result)
 
 
-def test_scale_then_sum_is_wrong_with_the_hotfix_too() -> None:
-    """The hotfix does not repair that defect: world-size times too large with one microbatch
-    (relative error 1 at 2 ranks), exact with per-token loss, with the hotfix on."""
+def test_scale_then_sum_set_after_building_is_stopped_with_the_hotfix() -> None:
+    """``fully_shard_model`` takes no gradient_reduce_div_fusion, so the harness (like a
+    ``fully_shard`` user) sets it on the built model's config: the hotfix judges the changed
+    config at the first gradient synchronisation and stops the step there, before the optimizer
+    uses gradients world-size times too large; per-token loss is exact with the hotfix on."""
     fields = {"hotfix": "on", "double_buffer": False, "microbatches": 1, "iterations": 1}
-    wrong = run(FSDP_023, grad_reduce="scale-then-sum", **fields)
-    assert not wrong.crashed and wrong.max_rel_grad_error == 1.0, describe(wrong)
+    stopped = run(FSDP_023, grad_reduce="scale-then-sum", **fields)
+    message = stopped.exception or ""
+    assert stopped.crashed and message.startswith(
+        "UnsupportedConfiguration: mfsdp_hotfix: megatron-fsdp 0.2.3 at "), describe(stopped)
+    for words in ("(its ddp_config was changed after the model was built)",
+                  "sharded-grads-summed-unscaled, which no fix repairs",
+                  "Workaround: calculate_per_token_loss=True"):
+        assert words in message, message
     assert_matches_reference(run(FSDP_023, grad_reduce="per-token", **fields))
 
 
@@ -201,7 +209,7 @@ def test_a_model_on_the_scale_then_sum_path_is_refused() -> None:
     """bf16 gradient buffers (fully_shard's grad_reduce_in_fp32=False) take the release's
     scale-then-SUM branch, so the model is refused when it is built; as shipped its gradients
     are wrong. (The harness's gradient_reduce_div_fusion=False is set after the model is
-    built, which the gate does not see: the test above.)"""
+    built: the test above.)"""
     fields = {"dtype": "bfloat16", "grad_reduce": "scale-then-sum", "double_buffer": False}
     refused = run(FSDP_023, hotfix="on", **fields)
     assert refused.crashed, describe(refused)
@@ -211,6 +219,7 @@ def test_a_model_on_the_scale_then_sum_path_is_refused() -> None:
     for words in ("sharded-grads-summed-unscaled, which no fix repairs",
                   "Workaround: calculate_per_token_loss=True"):
         assert words in message, message
+    assert "changed after the model was built" not in message, message  # refused when built
     shipped = run(FSDP_023, hotfix="off", **fields)
     assert not shipped.crashed and shipped.max_rel_grad_error, describe(shipped)
     assert shipped.max_rel_grad_error > 0.5, describe(shipped)

@@ -33,10 +33,9 @@ def test_each_recorded_seed_is_this_codes_draw() -> None:
 def test_every_recorded_configuration_is_exact_or_refused_and_never_worse() -> None:
     """With the hotfix: exact, refused before training (or at the point the defect would
     strike), or not runnable on that release as shipped either; never worse than shipped. A
-    configuration still wrong with the hotfix is so only by a defect the accumulation grid
-    lists as left (``accumulation.UNREPAIRED``: the scale-then-sum defect of 0.2.x, whose
-    refusal at construction this harness's late setting hides; there a crash as shipped, a
-    root-owned parameter under ZeRO-3, becomes that defect's wrong gradients)."""
+    configuration still wrong with the hotfix could be so only by a defect the accumulation
+    grid lists as left (``accumulation.UNREPAIRED``, empty since the scale-then-sum defect of
+    0.2.x is stopped when its option is set after the model was built, as this harness does)."""
     rows = _rows()
     for row in rows:
         assert row["verdict"] == search.verdict(row["shipped"], row["hotfix"]), row["seed"]

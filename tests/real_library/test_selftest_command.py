@@ -76,6 +76,29 @@ def test_cli_exit_status_and_json_verdict(tmp_path) -> None:
     last = verdict_line(proc.stderr)
     assert data["verdict"] == "PASS" and last == data["conclusion"], proc.stderr[-3000:]
     assert last.startswith("selftest: PASS: ") and proc.returncode == 0
+    assert {data[name]["grad_reduce"] for name in RUNS} == {"scale-then-sum"}
+
+
+RUNS = ("without hotfix", "with hotfix", "without hotfix, one rank", "with hotfix, one rank")
+
+
+def test_a_copy_whose_scale_then_sum_is_wrong_is_tested_per_token() -> None:
+    """megatron-fsdp 0.2.3 scales the wrong shard before its SUM (sharded-grads-summed-unscaled,
+    refused with the hotfix): the selftest's workers see it in the copy's code and reduce
+    per-token instead, so what it shows is the double buffer's crash as shipped and its repair."""
+    import json
+
+    from conftest import run_python
+
+    proc = run_python("", release_path("megatron-fsdp", "0.2.3"),
+                      args=("-m", "mfsdp_hotfix", "selftest", "--json"), timeout=600)
+    data = json.loads(proc.stdout)
+    assert data["verdict"] == "PASS" and proc.returncode == 0, proc.stderr[-3000:]
+    assert {data[name]["grad_reduce"] for name in RUNS} == {"per-token"}
+    assert data["without hotfix"]["crashed"] and "No buffer found" in data["without hotfix"][
+        "exception"]
+    assert ("gradients reduced per-token (calculate_per_token_loss=True): this copy has "
+            "sharded-grads-summed-unscaled") in proc.stderr
 
 
 def test_audit_with_the_default_flavour_agrees() -> None:
