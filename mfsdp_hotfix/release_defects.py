@@ -64,24 +64,27 @@ UNSHARDED_SHARD_ADDED_TO_ITSELF = ReleaseDefect(
     "releases shipped (it adds every reduce-scattered shard onto the gradient buffer, sharded or "
     "not)",
     "ZeRO-1 (optim) with overlap_grad_reduce=True (the default), whatever the number of ranks "
-    "and microbatches; and HSDP with ZeRO-2/3 whose DP-Shard group has one rank",
+    "and microbatches; and HSDP whose DP-Shard group has one rank, with ZeRO-2/3, or with "
+    "ZeRO-1 whatever the overlap",
     "silently wrong gradients: the backward hooks reduce-scatter an unsharded gradient buffer "
     "into its own shard and then add the reduced shard onto that shard, so each rank's "
     "gradients are its own unreduced ones plus the mean (or twice the mean, with the double "
     "buffer, whose shard is the bucket itself)",
-    ("ZeRO-1 with overlap_grad_reduce=False (with the hotfix: reduce-once leaves the reduction "
-     "to finish_grad_sync, which does not add)",
+    ("ZeRO-1 with overlap_grad_reduce=False, without HSDP (with the hotfix: reduce-once leaves "
+     "the reduction to finish_grad_sync, which does not add)",
      "ZeRO-2 or ZeRO-3",
      "megatron-fsdp >= 0.4.0 / megatron-core >= 0.17.0, which copy the reduced shard"),
     "fixed in megatron-fsdp 0.4.0 / megatron-core 0.17.0",
     "every configuration it hits: no fix repairs it, and a model built in one is refused "
     "(UnsupportedConfiguration) while the hotfix is loaded",
     carrier=BUCKET_REDUCE,
-    limits=(Limit("ZeRO-1 (optim) with overlap_grad_reduce=True, or HSDP with ZeRO-2/3 and a "
+    limits=(Limit("ZeRO-1 (optim) with overlap_grad_reduce=True, or HSDP with ZeRO-1/2/3 and a "
                   "one-rank DP-Shard gradient group",
                   lambda model: ((model.ddp_config.data_parallel_sharding_strategy == "optim"
                                   and model.ddp_config.overlap_grad_reduce)
-                                 or (sharded(model) and model.dist_index.use_hybrid_fsdp
+                                 or ((sharded(model) or model.ddp_config
+                                      .data_parallel_sharding_strategy == "optim")
+                                     and model.dist_index.use_hybrid_fsdp
                                      and has_one_rank_gradient_group(model))),
                   "", ""),),
 )

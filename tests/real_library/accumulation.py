@@ -421,12 +421,19 @@ def outcome(run: dict[str, Any]) -> str:
     return "crashed"
 
 
+def without_cache(text: str) -> str:
+    """``text`` with this machine's release cache named ``<cache>``: a record is the same
+    wherever it was measured."""
+    return text.replace(str(releases.CACHE), "<cache>")
+
+
 def measure(case: Case, timeout_s: float | None = None) -> dict[str, Any]:
     """One run of ``case`` as recorded (``timeout_s``: a case's limit other than the spec's)."""
     spec = case.spec()
     result = run_case(spec if timeout_s is None else replace(spec, timeout_s=timeout_s))
     fused = [name for name in result.worst_grads if ".fc" in name]
-    run = {"crashed": result.crashed, "exception": (result.exception or "")[:600] or None,
+    run = {"crashed": result.crashed, "exception": without_cache((result.exception or "")[:600])
+           or None,
            "max_abs_grad_error": significant(result.max_abs_grad_error),
            "max_rel_grad_error": significant(result.max_rel_grad_error),
            "worst_is_fused_weight": bool(fused) and fused[0] == next(iter(result.worst_grads))}
