@@ -61,8 +61,8 @@ KNOWN_BREAKS = {
         "a run that meets it",
     160: "ZeRO-3 with the double buffer and autograd gradients on megatron-fsdp 0.3.0-0.5.1: wrong "
          "from the second step, as shipped and with the hotfix",
-    174: "auto-sync-stop stops no_shard without overlap with a mean reduction on 0.3.1, which "
-         "is exact as shipped",
+    174: "auto-sync-stop stops no_shard with a mean reduction, right as shipped but for "
+         "rounding (re-averaging an averaged buffer)",
 }
 
 # How a configuration ends (:func:`verdict`)
