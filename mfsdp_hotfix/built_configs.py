@@ -9,24 +9,38 @@ config changed after the gate judged it is judged again before its gradients are
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
+log = logging.getLogger("mfsdp_hotfix")
 _JUDGED: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def remember(model: Any) -> None:
-    """``model``'s config is the one the gate has just judged."""
-    _JUDGED[model] = dict(vars(model.ddp_config))
+    """``model``'s config is the one the gate has just judged. A config without attributes of
+    its own (``__slots__``) or a model without weak references is not remembered, so it is not
+    judged again: this runs while the model is built, which it must never break."""
+    try:
+        _JUDGED[model] = dict(vars(model.ddp_config))
+    except TypeError as exc:
+        log.debug("mfsdp_hotfix: a change to this model's config will not be judged again (%s)",
+                  exc)
 
 
 def changed(model: Any) -> bool:
     """Whether ``model``'s config differs from the one the gate judged (False for a model the
     gate never judged: one built before the hotfix was loaded)."""
-    judged = _JUDGED.get(model)
+    try:
+        judged = _JUDGED.get(model)
+    except TypeError:  # a model without weak references: never remembered
+        return False
     if judged is None:
         return False
-    now = vars(model.ddp_config)
+    try:
+        now = vars(model.ddp_config)
+    except TypeError:  # replaced by a config without attributes of its own
+        return True
     if now.keys() != judged.keys():
         return True
     for name, value in now.items():

@@ -5,6 +5,7 @@ first gradient synchronisation) is tests/real_library/test_oldest_releases.py's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -54,3 +55,19 @@ def test_an_added_attribute_and_a_value_without_plain_equality() -> None:
     built_configs.remember(other)
     other.ddp_config.scale = torch.zeros(2)  # != gives a tensor: compared by identity
     assert built_configs.changed(other)
+
+
+def test_a_config_without_attributes_or_a_model_without_weak_references_is_not_remembered(
+        ) -> None:
+    """Remembering runs while the model is built: it must never raise there."""
+
+    class SlotsConfig:
+        __slots__ = ("gradient_reduce_div_fusion",)
+
+    model = Model()
+    model.ddp_config = SlotsConfig()
+    built_configs.remember(model)
+    assert not built_configs.changed(model)
+    plain = SimpleNamespace(ddp_config=Config())  # no weak references
+    built_configs.remember(plain)
+    assert not built_configs.changed(plain)
