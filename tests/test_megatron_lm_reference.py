@@ -34,7 +34,7 @@ from megatron_lm.plan import MICROBATCHES, RELEASES, needs_te, plan  # noqa: E40
 from megatron_lm.summary import REFERENCE_ROW_KEYS, joined, read, reference_summary  # noqa: E402
 from megatron_lm.tables import reference_tables  # noqa: E402
 
-ALL = ("ddp", "ddp-local", "fused", "fused-local", "moe-ref")
+ALL = ("ddp", "ddp-local", "fused", "fused-local", "moe-ref", "moe-opfuser")
 
 
 def _flags_without(args: list[str], *drop: str) -> list[str]:
@@ -60,14 +60,15 @@ def test_every_judged_run_has_its_reference_first_and_differs_from_it_only_where
     cases = plan(RELEASES, ALL)
     by_id = {c["id"]: c for c in cases}
     judged = [c for c in cases if c.get("judge")]
-    assert len(judged) == 2 * (2 * 12 + 2 * 6 + 2 + 2)  # per release: ddp, fused, MoE
+    # per release: ddp, fused, MoE, MoE through TE's op fuser
+    assert len(judged) == 2 * (2 * 12 + 2 * 6 + 2 + 2 + 7)
     order = [c["id"] for c in pipelined(cases)]
     for c in judged:
         ref = by_id[c["judge"]]
         assert ref.get("judged") and c["set"] == ref["id"] == ref["set"]
         assert order.index(ref["id"]) < order.index(c["id"])  # started before, waited for
-        assert (c["release"], c["dp"], c["impl"], c["moe"]) == \
-            (ref["release"], ref["dp"], ref["impl"], ref["moe"])
+        assert (c["release"], c["dp"], c["impl"], c["moe"], c["op_fuser"]) == \
+            (ref["release"], ref["dp"], ref["impl"], ref["moe"], ref["op_fuser"])
         assert c["deterministic"] and ref["deterministic"] and c["dtype"] == "fp32"
         assert "--deterministic-mode" in pretrain_args(c)
         args, ref_args = pretrain_args(c), pretrain_args(ref)
@@ -91,6 +92,15 @@ def test_every_judged_run_has_its_reference_first_and_differs_from_it_only_where
                 assert f"{first}|dp2|zero{zero}|fp32{layers}{'|fused' if layers else ''}|det|" \
                     f"{variant}|d0" in by_id
     assert f"{first}|dp2|zero3|fp32|moe|det|hotfix|d0" in by_id
+    fuser = [c for c in judged if c["op_fuser"] and c["release"] == first]
+    assert sorted((c["zero"], c["variant"], c["disabled_fix"]) for c in fuser) == [
+        (1, "hotfix", ""), (1, "hotfix", "expert-accumulate"), (1, "shipped", ""),
+        (2, "hotfix", ""), (2, "shipped", ""), (3, "hotfix", ""), (3, "shipped", "")]
+    for c in fuser:  # Hopper's op-fuser path: weighted squared-ReLU experts, grouped GEMM
+        assert c["dp"] == 1 and c["fusion"] and c["moe"]
+        assert {"--use-transformer-engine-op-fuser", "--squared-relu",
+                "--use-fused-weighted-squared-relu", "--moe-grouped-gemm"} <= \
+            set(pretrain_args(c))
     # none of this changes the earlier groups' runs
     assert all("|det|" not in c["id"] and not c.get("judge") for c in plan())
 
@@ -103,7 +113,9 @@ def test_both_releases_parse_the_reference_and_the_judged_command_lines_as_meant
     cases = {c["id"]: c for c in plan((release,), ALL)}
     picks = [f"{release}|dp1|ddp|fp32|unfused|det|shipped|d0",
              f"{release}|dp1|zero1|fp32|local|fused|det|hotfix|d0",
-             f"{release}|dp2|zero2|fp32|unfused|det|shipped|d0"]
+             f"{release}|dp2|zero2|fp32|unfused|det|shipped|d0",
+             f"{release}|dp1|ddp|fp32|unfused|moe|op-fuser|det|shipped|d0",
+             f"{release}|dp1|zero1|fp32|moe|op-fuser|det|hotfix-without-expert-accumulate|d0"]
     for key in picks:
         c = cases[key]
         parsed = parse_check(folder, c)
@@ -117,6 +129,9 @@ def test_both_releases_parse_the_reference_and_the_judged_command_lines_as_meant
         assert parsed["bf16"] is False and parsed["cross_entropy_loss_fusion"] is False
         if c["fsdp"]:
             assert parsed["data_parallel_sharding_strategy"] == c["sharding"]
+        fuser = parsed["num_experts"] is not None
+        assert (parsed["use_transformer_engine_op_fuser"], parsed["squared_relu"],
+                parsed["use_fused_weighted_squared_relu"]) == (fuser, fuser, fuser)
 
 
 def _steps(grad_norms: list[float], losses: list[float] | None = None,

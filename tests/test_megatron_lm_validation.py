@@ -616,3 +616,20 @@ def test_the_dry_plan_is_the_runs_only_selects() -> None:
     ids = [line.split()[0] for line in out.splitlines()]
     assert ids == [c["id"] for c in plan(groups=("local3@core-0.19.2",))
                    if "|bf16|" in c["id"]] and len(ids) == 9
+
+
+def test_a_run_without_one_fix_names_it_to_the_hotfix_and_no_other_run_does(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setenv("MFSDP_HOTFIX_DISABLED_FIXES", "getter-guard")  # the caller's: dropped
+    paths = Paths({"core-0.19.2": str(tmp_path)}, {"core-0.19.2": str(tmp_path)})
+    kw = dict(dp=1, zero=1, moe=True, op_fuser=True, deterministic=True)
+    without = case("moe-opfuser", "core-0.19.2", variant="hotfix",
+                   disabled_fix="expert-accumulate", **kw)
+    plain = case("moe-opfuser", "core-0.19.2", variant="hotfix", **kw)
+    assert without["id"] != plain["id"] and "without-expert-accumulate" in without["id"]
+    argv, env = command(without, paths, str(tmp_path), 1000.0)
+    assert env["MFSDP_HOTFIX_DISABLED_FIXES"] == "expert-accumulate" and "mfsdp_hotfix" in argv
+    assert "MFSDP_HOTFIX_DISABLED_FIXES" not in command(plain, paths, str(tmp_path), 1000.0)[1]
+    # a shipped run has no fix to turn off
+    assert case("moe-opfuser", "core-0.19.2", disabled_fix="expert-accumulate",
+                **kw)["disabled_fix"] == ""

@@ -13,7 +13,7 @@ PACKAGE = os.path.dirname(os.path.abspath(__file__))
 VALIDATION = os.path.dirname(PACKAGE)
 # run as a folder, Python puts the package's own folder first on sys.path: its modules are
 # imported by the package's name, the scripts beside it (comparison, workdir, ...) by theirs
-if sys.path[0] == PACKAGE:
+if os.path.abspath(sys.path[0]) == PACKAGE:
     sys.path[0] = VALIDATION
 
 import case_selection  # noqa: E402

@@ -65,6 +65,9 @@ def pretrain_args(c: dict[str, Any], size: dict[str, int] = SIZE) -> list[str]:
               "--moe-router-topk", 1, "--moe-router-pre-softmax", "--moe-grouped-gemm",
               "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", 0,
               "--moe-router-load-balancing-type", "none"]
+        if c.get("op_fuser"):
+            a += ["--use-transformer-engine-op-fuser", "--squared-relu",
+                  "--use-fused-weighted-squared-relu"]
     if c["launcher"] == "fake":
         a.append("--fake-process-group")
     return [str(x) for x in a]
@@ -88,7 +91,7 @@ keys = ("data_parallel_size", "world_size", "use_megatron_fsdp", "fsdp_double_bu
         "recompute_granularity", "recompute_method", "num_experts", "moe_grouped_gemm",
         "fake_process_group", "ckpt_format", "global_batch_size", "micro_batch_size",
         "deterministic_mode", "transformer_impl", "cross_entropy_loss_fusion",
-        "use_transformer_engine_op_fuser")
+        "use_transformer_engine_op_fuser", "use_fused_weighted_squared_relu", "squared_relu")
 out = {k: getattr(args, k, None) for k in keys}
 out["num_microbatches"] = get_num_microbatches()
 print("PARSED " + json.dumps(out))

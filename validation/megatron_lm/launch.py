@@ -45,8 +45,8 @@ def command(c: dict[str, Any], paths: Paths, folder: str, cycles_per_ms: float
     env.update(CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                MFSDP_VAL_MLM_CAPTURE=folder)
     # NVTE_*_ATTN: --attention-backend sets them; GPTModel refuses values set beside it
-    for k in ("MFSDP_HOTFIX", "MFSDP_HOTFIX_AUDIT", "CUDA_LAUNCH_BLOCKING", "NVTE_FLASH_ATTN",
-              "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+    for k in ("MFSDP_HOTFIX", "MFSDP_HOTFIX_AUDIT", "MFSDP_HOTFIX_DISABLED_FIXES",
+              "CUDA_LAUNCH_BLOCKING", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
         env.pop(k, None)
     if c["serialized"]:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
@@ -64,6 +64,8 @@ def command(c: dict[str, Any], paths: Paths, folder: str, cycles_per_ms: float
     hotfix_cli = [py, "-m", "mfsdp_hotfix"]
     if c["variant"] == "hotfix":
         job = hotfix_cli + ["run", "--"] + job
+        if c.get("disabled_fix"):
+            env["MFSDP_HOTFIX_DISABLED_FIXES"] = c["disabled_fix"]
     elif c["variant"] in AUDITS:
         if c["variant"] == "audit-shipped":
             env["MFSDP_HOTFIX"] = "0"

@@ -22,24 +22,29 @@ DELAYS = (0.0, 20.0)
 def case(group: str, release: str, *, dp: int = 2, zero: int = 3, dtype: str = "fp32",
          ogr: bool = True, recompute: bool = False, moe: bool = False, variant: str = "shipped",
          delay_ms: float = 0.0, serialized: bool = False, impl: str = "te",
-         fusion: bool | None = None, fsdp: bool = True, deterministic: bool = False
-         ) -> dict[str, Any]:
+         fusion: bool | None = None, fsdp: bool = True, deterministic: bool = False,
+         op_fuser: bool = False, disabled_fix: str = "") -> dict[str, Any]:
     """``impl``: ``te`` (TE layers) or ``local`` (megatron-core's own layers; TE importable only
     with ``fusion``, ``needs_te``).
     ``fusion``: fused wgrad accumulation; by default on with TE layers (Megatron-LM's default)
     and off with local layers. ``fsdp=False``: Megatron's own ``DistributedDataParallel`` with
     the distributed optimizer instead of Megatron-FSDP (``zero`` is then 0). ``deterministic``:
-    ``--deterministic-mode``."""
+    ``--deterministic-mode``. ``op_fuser`` (with ``moe``): the experts through TE's op fuser,
+    weighted squared-ReLU (the fused path Hopper reaches). ``disabled_fix``: a hotfix run with
+    that one fix turned off (``MFSDP_HOTFIX_DISABLED_FIXES``), what a user who turns it off
+    gets."""
     zero = zero if fsdp else 0
     c = dict(group=group, release=release, dp=dp, launcher="fake" if dp == 2 else "torchrun",
              impl=impl, fsdp=fsdp, zero=zero, sharding={v: k for k, v in ZERO.items()}.get(zero),
              fusion=(impl == "te") if fusion is None else fusion, deterministic=deterministic,
              dtype=dtype, overlap_grad_reduce=ogr, overlap_param_gather=ogr,
-             recompute=recompute, moe=moe, variant=variant,
+             recompute=recompute, moe=moe, op_fuser=moe and op_fuser, variant=variant,
+             disabled_fix=disabled_fix if variant == "hotfix" else "",
              db=fsdp and variant != "db-off", delay_ms=0.0 if serialized else float(delay_ms),
              serialized=serialized, iterations=ITERS, microbatches=MICROBATCHES)
     c["config"] = config_key(c)
-    c["id"] = f"{c['config']}|{variant}|" + ("serialized" if serialized else f"d{delay_ms:g}")
+    label = f"{variant}-without-{c['disabled_fix']}" if c["disabled_fix"] else variant
+    c["id"] = f"{c['config']}|{label}|" + ("serialized" if serialized else f"d{delay_ms:g}")
     return c
 
 
@@ -49,6 +54,7 @@ def config_key(c: dict[str, Any]) -> str:
                              ("fused" if c["fusion"] else "unfused",
                               c["fusion"] != fusion_default),
                              ("recompute", c["recompute"]), ("moe", c["moe"]),
+                             ("op-fuser", c.get("op_fuser", False)),
                              ("no-overlap", not c["overlap_grad_reduce"]),
                              ("det", c["deterministic"])) if on]
     layout = f"zero{c['zero']}" if c["fsdp"] else "ddp"
@@ -75,7 +81,7 @@ def configurations(release: str, dp: int, zero: int, dtype: str, ogr: bool = Tru
 GROUPS = ("local", "core", "dp1", "zero1", "unit", "extras")
 MORE_GROUPS = ("core3", "core2", "local3", "local2", "dp1-local")  # halves, or without TE
 # judged against a reference that is not the code under test (``reference_cases``)
-REFERENCE_GROUPS = ("ddp", "ddp-local", "fused", "fused-local", "moe-ref")
+REFERENCE_GROUPS = ("ddp", "ddp-local", "fused", "fused-local", "moe-ref", "moe-opfuser")
 
 
 def reference_cases(group: str, release: str) -> list[dict[str, Any]]:
@@ -95,8 +101,15 @@ def reference_cases(group: str, release: str) -> list[dict[str, Any]]:
     * ``moe-ref``: a MoE model (expert-parallel size 1), ZeRO-3 with fused wgrad: at world size
       1 against DDP, and at two ranks fused against unfused.
 
+    * ``moe-opfuser``: the MoE model with its experts through TE's op fuser (weighted
+      squared-ReLU), world size 1 against DDP (the op fuser on, the wgrad apart): Megatron-FSDP
+      ZeRO-1/2/3 with fused wgrad, as shipped and with the hotfix, and ZeRO-1 with the hotfix
+      but without ``expert-accumulate``.
+
     Expert-parallel size equal to the data-parallel size is not here: the fake group's
     all-to-all moves no tokens between its ranks."""
+    if group == "moe-opfuser":
+        return op_fuser_cases(group, release)
     impl = "local" if group.endswith("-local") else "te"
     moe = group == "moe-ref"
     zeros = (3,) if moe else (1, 2, 3)
@@ -120,6 +133,18 @@ def reference_cases(group: str, release: str) -> list[dict[str, Any]]:
                 out += [unfused, dict(case(group, release, zero=zero, fusion=True, variant=v,
                                            **kw), judge=unfused["id"], set=unfused["id"])]
     return out
+
+
+def op_fuser_cases(group: str, release: str) -> list[dict[str, Any]]:
+    """The ``moe-opfuser`` group (``reference_cases``)."""
+    kw = dict(dtype="fp32", deterministic=True, moe=True, op_fuser=True, dp=1)
+    ref = dict(case(group, release, fsdp=False, fusion=False, **kw), judged=True)
+    ref["set"] = ref["id"]
+    runs = [case(group, release, zero=zero, fusion=True, variant=v, **kw)
+            for zero in (1, 2, 3) for v in ("shipped", "hotfix")]
+    runs.append(case(group, release, zero=1, fusion=True, variant="hotfix",
+                     disabled_fix="expert-accumulate", **kw))
+    return [ref] + [dict(r, judge=ref["id"], set=ref["id"]) for r in runs]
 
 
 def plan(releases=RELEASES, groups=GROUPS) -> list[dict[str, Any]]:

@@ -87,7 +87,8 @@ def checkouts(report: dict[str, Any]) -> dict[str, Any]:
 
 
 REFERENCE_ROW_KEYS = ("id", "group", "release", "dp", "layers", "layout", "fusion", "moe",
-                      "variant", "reference", "outcome", "iterations", "loss", "grad_norm",
+                      "op_fuser", "variant", "disabled_fix", "reference", "outcome",
+                      "iterations", "loss", "grad_norm",
                       "reference_loss", "reference_grad_norm", "grad_rel_l2", "max_rel", "worst",
                       "first_off", "status", "protected", "error")
 LOSS = "loss/lm loss"
@@ -112,7 +113,8 @@ def reference_row(r: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> dict[s
     return {"id": r["id"], "group": r["group"], "release": r["release"], "dp": r["dp"],
             "layers": "local" if r["impl"] == "local" else "TE",
             "layout": f"ZeRO-{r['zero']}" if r["fsdp"] else "DDP", "fusion": r["fusion"],
-            "moe": r["moe"], "variant": r["variant"], "reference": r.get("judge"),
+            "moe": r["moe"], "op_fuser": r.get("op_fuser", False), "variant": r["variant"],
+            "disabled_fix": r.get("disabled_fix", ""), "reference": r.get("judge"),
             "outcome": outcome, "iterations": cap.get("iterations", 0),
             "loss": mine.get(LOSS), "grad_norm": mine.get("grad_norm"),
             "reference_loss": theirs.get(LOSS), "reference_grad_norm": theirs.get("grad_norm"),

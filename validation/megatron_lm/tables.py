@@ -27,6 +27,17 @@ def _verdict_cell(r: dict[str, Any]) -> str:
     return f"{o}: {why}" if why else o
 
 
+def _model(r: dict[str, Any]) -> str:
+    if not r["moe"]:
+        return "GPT"
+    return "MoE, TE op fuser" if r.get("op_fuser") else "MoE"
+
+
+def _variant(r: dict[str, Any]) -> str:
+    return f"{r['variant']} without {r['disabled_fix']}" if r.get("disabled_fix") \
+        else r["variant"]
+
+
 def reference_tables(doc: dict[str, Any]) -> str:
     """Markdown tables of a reference summary (``--reference-report``): world size 1 against
     DDP; two ranks fused against unfused; then, where there are any, the references that did
@@ -39,9 +50,9 @@ def reference_tables(doc: dict[str, Any]) -> str:
         if r["dp"] != 1 or r["layout"] == "DDP":
             continue
         said = (r.get("status") or "").split(" — ")[-1].split(":")[0] or "–"
-        out.append(f"| {r['release']} | {r['layers']} | {'MoE' if r['moe'] else 'GPT'} | "
+        out.append(f"| {r['release']} | {r['layers']} | {_model(r)} | "
                    f"{r['layout'].split('-')[1]} | {'fused' if r['fusion'] else 'apart'} | "
-                   f"{r['variant']} | {_verdict_cell(r)} | {_values(r['grad_norm'])} | "
+                   f"{_variant(r)} | {_verdict_cell(r)} | {_values(r['grad_norm'])} | "
                    f"{_values(r['reference_grad_norm'])} | {said} |")
     out += ["", "| release | layers | model | ZeRO | variant | verdict (max. relative difference, "
             "where) | grad norm per iteration, fused | apart | reduced gradient, rel. L2 per "
@@ -50,8 +61,8 @@ def reference_tables(doc: dict[str, Any]) -> str:
         if r["dp"] != 2 or not r["fusion"]:
             continue
         l2 = _values(r["grad_rel_l2"]) if r["grad_rel_l2"] else "–"
-        out.append(f"| {r['release']} | {r['layers']} | {'MoE' if r['moe'] else 'GPT'} | "
-                   f"{r['layout'].split('-')[1]} | {r['variant']} | {_verdict_cell(r)} | "
+        out.append(f"| {r['release']} | {r['layers']} | {_model(r)} | "
+                   f"{r['layout'].split('-')[1]} | {_variant(r)} | {_verdict_cell(r)} | "
                    f"{_values(r['grad_norm'])} | {_values(r['reference_grad_norm'])} | {l2} |")
     refs = [r for r in rows if (r["layout"] == "DDP" or (r["dp"] == 2 and not r["fusion"]))
             and r["outcome"] != "ok"]
