@@ -311,20 +311,46 @@ def test_a_run_whose_reference_failed_says_so() -> None:
         "memory |" in tables
 
 
-RECORDS = ("megatron-lm-ddp-h100.json.gz", "megatron-lm-ddp-h100-hotfix.json.gz",
-           "megatron-lm-ddp-h100-hotfix-0.18.json.gz")
+# each committed reference summary and the raw records it is made of, in the order of the calls
+SUMMARIES = {
+    "megatron-lm-ddp-summary.json": ("megatron-lm-ddp-h100.json.gz",
+                                     "megatron-lm-ddp-h100-hotfix.json.gz",
+                                     "megatron-lm-ddp-h100-hotfix-0.18.json.gz"),
+    "megatron-lm-opfuser-summary.json": ("megatron-lm-opfuser-h100.json.gz",),
+}
 
 
-def test_the_committed_reference_summary_is_what_the_raw_records_give() -> None:
+@pytest.mark.parametrize("summary_name", sorted(SUMMARIES))
+def test_the_committed_reference_summary_is_what_the_raw_records_give(summary_name: str) -> None:
     folder = REPO / "docs" / "validation"
-    records = [str(folder / name) for name in RECORDS]
-    committed = json.loads((folder / "megatron-lm-ddp-summary.json").read_text())
+    names = SUMMARIES[summary_name]
+    records = [str(folder / name) for name in names]
+    committed = json.loads((folder / summary_name).read_text())
     assert committed == json.loads(json.dumps(reference_summary(joined(
-        [read(path) for path in records], list(RECORDS))), default=str))
+        [read(path) for path in records], list(names))), default=str))
     assert "/" not in json.dumps(committed["checkouts"])
     for path in records:
         with open(path, "rb") as f:
             assert b"/work/" not in gzip.decompress(f.read())
+
+
+def test_the_op_fuser_experts_are_right_with_the_hotfix_and_wrong_without_expert_accumulate(
+        ) -> None:
+    """The recorded GPU call (one H100, megatron-core 0.19.2, TE 2.20.2): MoE experts through TE's
+    op fuser against Megatron's own DDP. As shipped every ZeRO level is wrong (ZeRO-1 by the op
+    fuser's overwrite, ZeRO-2/3 at data-parallel size one by the per-microbatch reduction); with
+    the hotfix each is float noise; the hotfix without expert-accumulate is wrong, and its status
+    says NOT protected."""
+    rows = json.loads((REPO / "docs" / "validation" /
+                       "megatron-lm-opfuser-summary.json").read_text())["rows"]
+    judged = {(r["layout"], r["variant"], r["disabled_fix"]): r for r in rows if r["reference"]}
+    assert len(judged) == 7 and all(r["op_fuser"] and r["moe"] for r in judged.values())
+    for zero in (1, 2, 3):
+        assert judged[(f"ZeRO-{zero}", "shipped", "")]["outcome"] == "wrong"
+        fixed = judged[(f"ZeRO-{zero}", "hotfix", "")]
+        assert fixed["outcome"] == "float noise" and fixed["protected"] is True
+    without = judged[("ZeRO-1", "hotfix", "expert-accumulate")]
+    assert without["outcome"] == "wrong" and without["protected"] is False
 
 
 def test_fused_wgrad_with_local_layers_gets_transformer_engine_and_waits_for_its_setup(
