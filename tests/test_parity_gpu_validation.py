@@ -20,13 +20,13 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "validation"))
+from megatron_lm.arguments import OP_FUSER_FLAGS  # noqa: E402
 from megatron_lm.plan import MICROBATCHES  # noqa: E402
 from parity_gpu import driver as driver_module  # noqa: E402
 from parity_gpu.command import command  # noqa: E402
 from parity_gpu.driver import Driver  # noqa: E402
 from parity_gpu.plan import (  # noqa: E402
     DISABLED_FIX,
-    OP_FUSER_FLAGS,
     RELEASES,
     RUN_S,
     case,
@@ -117,7 +117,7 @@ def test_two_ranks_the_disabled_fix_and_the_op_fuser_are_what_they_say() -> None
     assert env["MFSDP_HOTFIX_DISABLED_FIXES"] == DISABLED_FIX
     argv = command(case("opfuser", "core-0.19.2", zero=3, model="moe-opfuser", expected=""),
                    "/s/pretrain_gpt.py", "/rel", "/o")[0]
-    assert all(argv.count(flag) == 1 for flag in OP_FUSER_FLAGS)
+    assert all(argv.count(flag) == 1 for flag in OP_FUSER_FLAGS + ("--moe-grouped-gemm",))
     assert argv[argv.index("--num-experts") + 1] == "4"
 
 

@@ -11,6 +11,11 @@ from typing import Any
 
 from .plan import MICROBATCHES, SIZE
 
+# the experts through TE's op fuser, weighted squared-ReLU: the fused path a Hopper GPU reaches
+# (SwiGLU's needs the CuTe kernel of Blackwell)
+OP_FUSER_FLAGS = ("--use-transformer-engine-op-fuser", "--squared-relu",
+                  "--use-fused-weighted-squared-relu")
+
 
 def pretrain_args(c: dict[str, Any], size: dict[str, int] = SIZE) -> list[str]:
     """``pretrain_gpt.py``'s command line for a case (a small GPT, mock data, TE layers)."""
@@ -66,8 +71,7 @@ def pretrain_args(c: dict[str, Any], size: dict[str, int] = SIZE) -> list[str]:
               "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", 0,
               "--moe-router-load-balancing-type", "none"]
         if c.get("op_fuser"):
-            a += ["--use-transformer-engine-op-fuser", "--squared-relu",
-                  "--use-fused-weighted-squared-relu"]
+            a += list(OP_FUSER_FLAGS)
     if c["launcher"] == "fake":
         a.append("--fake-process-group")
     return [str(x) for x in a]

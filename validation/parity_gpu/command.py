@@ -13,16 +13,7 @@ from typing import Any
 from megatron_lm.arguments import pretrain_args
 from megatron_lm.launch import INJECT, free_port, te_paths, torchrun
 
-from .plan import OP_FUSER_FLAGS, RUN_TIMEOUT_S
-
-
-def job_args(c: dict[str, Any]) -> list[str]:
-    """``pretrain_gpt.py``'s arguments: ``megatron_lm``'s small model, and the op fuser's flags
-    for its MoE."""
-    args = pretrain_args(c)
-    if c["model"] == "moe-opfuser":
-        args += [f for f in OP_FUSER_FLAGS if f not in args]
-    return args
+from .plan import RUN_TIMEOUT_S
 
 
 def parity_cli() -> list[str]:
@@ -36,9 +27,9 @@ def launch(c: dict[str, Any], script: str) -> list[str]:
     """The job as the user launches it: ``torchrun`` on one GPU, or, for two ranks in one
     process, ``python3 pretrain_gpt.py --fake-process-group`` with ``WORLD_SIZE=2``."""
     if c["dp"] == 2:
-        return ["python3", script] + job_args(c)
+        return ["python3", script] + pretrain_args(c)
     return torchrun() + ["--nproc-per-node", "1", "--master-port", str(free_port()),
-                         script] + job_args(c)
+                         script] + pretrain_args(c)
 
 
 def command(c: dict[str, Any], script: str, release_dir: str, out: str
