@@ -8,8 +8,14 @@ every unit to ``PRE_BACKWARD``, and only the post-backward hook sets a unit back
 At the next forward the stale unit looks like an activation recomputation in progress: its
 post-forward keeps its parameters gathered. With ``fsdp_double_buffer`` the parameter pool has 2
 slots, so the stale unit and the next unit fill it and the first prefetch asserts
-``[fsdp_params] No buffer found for bucket_id``. (From megatron-fsdp 0.3.0 such a post-forward
-releases lazily, which frees the slot before the next all-gather.)
+``[fsdp_params] No buffer found for bucket_id``.
+
+megatron-fsdp 0.3.0-0.5.1 / megatron-core 0.16-0.18 release such a unit lazily instead, which
+avoids the crash but not a silent error: the next unit's all-gather recycles the stale unit's
+slot, while the pool, which does not pin a bucket to a slot, gathers it into the other slot in
+backward. An ``nn.Linear`` computes its input gradient from the weight view it saved in forward,
+so from the second forward on the gradients are wrong (0.6.0 / 0.19.0 pin each bucket to its
+slot).
 
 Before ``MegatronFSDP.forward`` runs, and only when no backward is in progress (a forward inside
 backward is a recomputation, whose states are live), each unit still in ``PRE_BACKWARD`` gets what
@@ -19,6 +25,7 @@ to ``IDLE``. Its gradients need nothing: the root post-backward hook already red
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 from typing import Any
 
@@ -38,6 +45,9 @@ def finish_missed_post_backwards(model: Any) -> int:
         return 0  # inside backward (activation recomputation), or a shape we do not know
     units = tuple(model.fsdp_unit_modules)
     bucket_of = model.param_and_grad_buffer.param_to_param_group
+    release = model.all_gather_pipeline.release_bucket
+    # From 0.16 a bucket has a key per pass (bwd); the missed hook releases the backward one.
+    per_pass = "bwd" in inspect.signature(release).parameters
     # Between steps the module holds the optimizer's DTensor parameters; the buffer knows the
     # raw ones, by the same names.
     raw = model.raw_param
@@ -48,7 +58,10 @@ def finish_missed_post_backwards(model: Any) -> int:
             continue
         names = (f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters())
         for bucket_id in sorted({bucket_of[raw[name]] for name in names}):
-            model.all_gather_pipeline.release_bucket(bucket_id)
+            if per_pass:
+                release(bucket_id, True)
+            else:
+                release(bucket_id)
         module._training_state = type(state).IDLE
         finished += 1
     return finished
