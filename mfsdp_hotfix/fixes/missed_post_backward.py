@@ -17,10 +17,10 @@ backward. An ``nn.Linear`` computes its input gradient from the weight view it s
 so from the second forward on the gradients are wrong (0.6.0 / 0.19.0 pin each bucket to its
 slot).
 
-Before the parameters of a forward are gathered, and only when no backward is in progress (a forward inside
-backward is a recomputation, whose states are live), each unit still in ``PRE_BACKWARD`` gets what
-its post-backward hook would have done to it: its parameter buckets are released and it is set
-to ``IDLE``. Its gradients need nothing: the root post-backward hook already reduced them.
+Before the parameters of a forward are gathered, and only when no backward is in progress (a
+forward inside backward is a recomputation, whose states are live), each unit still in
+``PRE_BACKWARD`` gets what its post-backward hook would have done to it: its parameter buckets
+are released and it is set to ``IDLE``. Its gradients need nothing: the root post-backward hook already reduced them.
 """
 
 from __future__ import annotations
