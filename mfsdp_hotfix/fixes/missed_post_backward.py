@@ -20,7 +20,8 @@ slot).
 Before the parameters of a forward are gathered, and only when no backward is in progress (a
 forward inside backward is a recomputation, whose states are live), each unit still in
 ``PRE_BACKWARD`` gets what its post-backward hook would have done to it: its parameter buckets
-are released and it is set to ``IDLE``. Its gradients need nothing: the root post-backward hook already reduced them.
+are released and it is set to ``IDLE``. Its gradients need nothing: the root post-backward hook
+already reduced them.
 """
 
 from __future__ import annotations
