@@ -79,22 +79,27 @@ ORDERED_DRAIN = Fix(
 MISSED_POST_BACKWARD = Fix(
     "missed-post-backward",
     "a ZeRO-3 unit whose post-backward hook never ran (no input needs a gradient, e.g. the "
-    "first unit) is released before the next forward instead of keeping one of the 2 slots of "
-    "the double-buffered parameter pool ('[fsdp_params] No buffer found for bucket_id')",
+    "first unit) is released before the next forward gathers, instead of keeping one of the 2 "
+    "slots of the double-buffered parameter pool: '[fsdp_params] No buffer found for "
+    "bucket_id' up to megatron-fsdp 0.2.3; from 0.3.0 to 0.5.1 its lazy release lets the next "
+    "all-gather recycle its slot, and the backward's weights are another unit's",
     "missed_post_backward", MODEL,
-    "its post-forward releases the parameters of a unit whose post-backward hook did not run",
+    "its post-forward releases the parameters of a unit whose post-backward hook did not run, "
+    "or its parameter pool keeps each bucket in its own slot",
     "not fixed as such; megatron-fsdp 0.3.0 / megatron-core 0.16.0 release such a unit's "
-    "parameters lazily, which avoids the crash",
+    "parameters lazily, which avoids the crash, and megatron-fsdp 0.6.0 / megatron-core "
+    "0.19.0 keep each bucket in its own slot of the pool, which avoids the wrong gradients",
     gate=HOOKS,
     limits=(Limit("ZeRO-3 (optim_grads_params) with fsdp_double_buffer=True",
                   lambda model: (model.ddp_config.fsdp_double_buffer
                                  and model.ddp_config.data_parallel_sharding_strategy
                                  == "optim_grads_params"),
-                  "crash: '[fsdp_params] No buffer found for bucket_id' at the first forward "
-                  "after a backward, when a unit's inputs need no gradient (the first unit of a "
-                  "model fed data)",
-                  "set fsdp_double_buffer=False, or upgrade to megatron-core >= 0.16.0 / "
-                  "megatron-fsdp >= 0.3.0"),),
+                  "when a unit's inputs need no gradient (the first unit of a model fed data): "
+                  "crash '[fsdp_params] No buffer found for bucket_id' at the first forward "
+                  "after a backward (megatron-fsdp 0.1.0-0.2.3), or silently wrong gradients "
+                  "from the second forward on (0.3.0-0.5.1)",
+                  "set fsdp_double_buffer=False, or upgrade to megatron-core >= 0.19.0 / "
+                  "megatron-fsdp >= 0.6.0"),),
 )
 
 ZERO1_UPSTREAM = ("NVIDIA/Megatron-LM#6357 (on main; not in a release as of megatron-core "

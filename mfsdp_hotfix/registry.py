@@ -197,13 +197,17 @@ SHAPES: dict[str, tuple[Shape, ...]] = {
         Shape("0.14", "165cb11b0521d204ab991b78257547ca679b491978d7c2240c64068e0ffe4ce0",
               needs=frozenset({"missed-post-backward", "reduce-once", "single-rank-reduce"}),
               carries=TE_GRAPHS),
-        *(Shape(name, fingerprint, needs=frozenset({"reduce-once", "single-rank-reduce"}),
+        # 0.16-0.18 release a stale unit lazily into a pool that does not pin buckets to slots
+        # (missed-post-backward); 0.19 pins them.
+        *(Shape(name, fingerprint,
+                needs=frozenset({"missed-post-backward", "reduce-once", "single-rank-reduce"}),
                 carries=TE_GRAPHS)
           for name, fingerprint in (
               ("0.16", "819fea0a1dbddaa5c909b026dd6660a873509886698a31a6d71e785aef76e450"),
               ("0.17", "32fe8ef255b44a394c015edfbcaaf81868496e158c1dc3d32e7dbae0c93ef99c"),
-              ("0.18", "049be221636061637620cac833fc943cf6c8eedd59bd4b659d60f278751407fb"),
-              ("0.19", "fa95ce6cc803e35c9d0b319da2ef2115c31985aa725592638fbe1a6343079c9d"))),
+              ("0.18", "049be221636061637620cac833fc943cf6c8eedd59bd4b659d60f278751407fb"))),
+        Shape("0.19", "fa95ce6cc803e35c9d0b319da2ef2115c31985aa725592638fbe1a6343079c9d",
+              needs=frozenset({"reduce-once", "single-rank-reduce"}), carries=TE_GRAPHS),
         # Forks, snapshots and git trees of 0.16 and later in their own words (the ROCm fork,
         # NVIDIA main), told apart by what their reduction condition yields (structure/hooks.py).
         Shape("releases stale units lazily, reduces unsharded gradients once",

@@ -39,8 +39,8 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
     (unfixed,) = data["unfixed"]
     assert code == 1 and data["verdict"]["protected"] is False
     assert unfixed.startswith("megatron-fsdp 0.5.1 at ") and unfixed.endswith(
-        ": getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce, "
-        "inert-warm-up, root-forward-hooks, auto-sync-stop would apply, but "
+        ": getter-guard, ordered-drain, missed-post-backward, zero1-accumulate, reduce-once, "
+        "single-rank-reduce, inert-warm-up, root-forward-hooks, auto-sync-stop would apply, but "
         + reporting.UNPROTECTING["not loaded"])
     armed_code, armed = status(Path(ARMED), fsdp_release("0.5.1"))
     assert armed_code == 0 and armed["unfixed"] == [] and armed["verdict"]["protected"] is True
@@ -55,14 +55,15 @@ def test_schema_of_a_patched_install(fsdp_release) -> None:
     assert set(copy["fingerprints"]) == set(copy["shapes"])
     assert FixStates({k: v["state"] for k, v in copy["fixes"].items()}) == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
-        "missed-post-backward": "not needed",
+        "missed-post-backward": "would apply",
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply", "single-rank-reduce": "would apply",
         "core-linear-accumulate": "not needed", "inert-warm-up": "would apply",
         "root-forward-hooks": "would apply", "replicated-grad-stats": "not needed",
         "auto-sync-stop": "would apply"}
     assert [(x["fix"], x["covered"]) for x in copy["limits"]] == [
-        ("getter-guard", True), ("ordered-drain", True), ("zero1-accumulate", True),
+        ("getter-guard", True), ("ordered-drain", True), ("missed-post-backward", True),
+        ("zero1-accumulate", True),
         ("reduce-once", False), ("reduce-once", False), ("reduce-once", True),
         ("reduce-once", True), ("single-rank-reduce", True), ("root-forward-hooks", True),
         ("auto-sync-stop", True), (None, False)]
@@ -141,7 +142,7 @@ def test_switched_off_says_off_everywhere(fsdp_release) -> None:
     _, data = status(fsdp_release("0.5.1"), env={"MFSDP_HOTFIX": "0"})
     assert data["hotfix"] == "off"
     assert FixStates({k: fix["state"] for k, fix in data["copies"][0]["fixes"].items()}) == {
-        "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "not needed",
+        "getter-guard": "off", "ordered-drain": "off", "missed-post-backward": "off",
         "zero1-accumulate": "off",
         "reduce-once": "off", "single-rank-reduce": "off", "core-linear-accumulate": "not needed",
         "inert-warm-up": "off", "root-forward-hooks": "off", "replicated-grad-stats": "not needed",
@@ -155,7 +156,8 @@ def test_switched_off_says_off_everywhere(fsdp_release) -> None:
 
 @pytest.mark.parametrize(("version", "needed"), [
     ("0.6.1", ["ordered-drain"]),  # era C: the getter is guarded, stale units released lazily
-    ("0.4.0", ["getter-guard", "ordered-drain"]),  # its hooks release stale units lazily
+    # its hooks release stale units lazily, into a pool that does not keep a bucket's slot
+    ("0.4.0", ["getter-guard", "ordered-drain", "missed-post-backward"]),
     ("0.1.0", ["getter-guard", "ordered-drain", "missed-post-backward"]),
 ])
 def test_switched_off_leaves_unfixed_only_what_the_copy_needs(fsdp_release, version: str,
@@ -291,7 +293,7 @@ def test_refused_install_fails_the_check(fsdp_release, tmp_path: Path) -> None:
     # release defects are listed
     fixes = FixStates({fix: state["state"] for fix, state in data["copies"][0]["fixes"].items()})
     assert fixes == {"getter-guard": "refused", "ordered-drain": "refused",
-                     "missed-post-backward": "not needed", "zero1-accumulate": "would apply",
+                     "missed-post-backward": "would apply", "zero1-accumulate": "would apply",
                      "reduce-once": "would apply", "single-rank-reduce": "would apply",
         "core-linear-accumulate": "not needed", "inert-warm-up": "would apply",
         "root-forward-hooks": "would apply", "replicated-grad-stats": "not needed",
@@ -321,15 +323,15 @@ def test_text_output(fsdp_release, path_kind: str) -> None:
         return
     assert lines[:5] == [
         "affected: megatron-fsdp 0.4.0 (era A) — protected: the hotfix is armed",
-        "  applies getter-guard, ordered-drain, zero1-accumulate, reduce-once, single-rank-reduce, "
-        "inert-warm-up, root-forward-hooks, auto-sync-stop",
+        "  applies getter-guard, ordered-drain, missed-post-backward, zero1-accumulate, "
+        "reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks, auto-sync-stop",
         "  refused at model construction, if you build: HSDP with ZeRO-1 (optim) and "
         "overlap_grad_reduce=False (no fix makes it right): use overlap_grad_reduce=True (the "
         "default)",
         f"  {REFUSES_TE_GRAPHS}",
-        "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, zero1-accumulate, "
-        "reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks, auto-sync-stop "
-        f"would apply; at "
+        "- megatron-fsdp 0.4.0 (era A): getter-guard, ordered-drain, missed-post-backward, "
+        "zero1-accumulate, reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks, "
+        "auto-sync-stop would apply; at "
         f"{fsdp_release('0.4.0') / 'megatron_fsdp'}"], lines
     assert lines[5].endswith(": the hotfix is armed at interpreter start by the sitecustomize "
                              "on PYTHONPATH") and len(lines) == 7, lines

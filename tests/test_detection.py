@@ -100,7 +100,7 @@ def test_backport_with_known_shapes_is_fixed_by_its_shapes(modified_copy: Path) 
     found = _detect(STANDALONE, modified_copy)
     assert found.era is not None and found.era.name == "A" and not found.verified_release
     assert [fix.id for fix in fix_catalogue.DOUBLE_BUFFER_FIXES
-            if found.needs(fix)] == ["getter-guard", "ordered-drain"]
+            if found.needs(fix)] == ["getter-guard", "ordered-drain", "missed-post-backward"]
     assert "megatron-fsdp 0.5.1 with code that release did not ship" in found.reason
     assert found.notes == ("megatron-fsdp 0.5.1 shipped _enforce_double_buffer_limit as in 0.18, "
                            "this copy's as in 0.19: the code is not what that release shipped, "
@@ -315,7 +315,8 @@ def test_nvidia_main_scales_the_bucket_it_reduces() -> None:
     found = _detect(STANDALONE, tree)
     shape = found.shapes[registry.BUCKET_REDUCE]
     assert shape is not None and not shape.carries
-    assert release_defects.defects_of({}, found.shapes) == []
+    assert "sharded-grads-summed-unscaled" not in [
+        d.name for d in release_defects.defects_of({}, found.shapes)]
 
 
 def test_an_unknown_bucket_reduction_does_not_rule_the_defect_out(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ def test_import_order(fsdp051: Path, order: str) -> None:
     data = report(run_python(imports + REPORT, fsdp051))
     assert data["drain"] == "ordered-drain" and data["init"] == "getter-guard"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
-                           "missed-post-backward": "not needed",
+                           "missed-post-backward": "applied",
                            "zero1-accumulate": "applied",
                            "reduce-once": "applied",
         "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
@@ -77,7 +77,7 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
     assert copy["imported"] is False
     assert FixStates({fix: state["state"] for fix, state in copy["fixes"].items()}) == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
-        "missed-post-backward": "not needed",
+        "missed-post-backward": "would apply",
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply",
         "single-rank-reduce": "would apply", "core-linear-accumulate": "not needed",
@@ -85,7 +85,7 @@ print("REPORT" + json.dumps({"before": before, "status": mfsdp_hotfix.status()})
         "replicated-grad-stats": "not needed", "auto-sync-stop": "would apply"}
     assert data["status"]["hotfix"] == "active"
     assert fixes(data) == {"getter-guard": "applied", "ordered-drain": "applied",
-                           "missed-post-backward": "not needed",
+                           "missed-post-backward": "applied",
                            "zero1-accumulate": "applied",
                            "reduce-once": "applied",
         "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
@@ -133,7 +133,7 @@ print("REPORT" + __import__("json").dumps({"status": mfsdp_hotfix.status(),
                     registry_vendored(): ("0.16.1", "A")}
     assert fixes(data, registry_vendored()) == {"getter-guard": "applied",
                                                  "ordered-drain": "applied",
-                                                 "missed-post-backward": "not needed",
+                                                 "missed-post-backward": "applied",
                                                  "zero1-accumulate": "applied",
                                                  "reduce-once": "applied",
         "single-rank-reduce": "applied", "core-linear-accumulate": "applied",
@@ -202,7 +202,7 @@ def test_disabled_fix_is_reported(fsdp051: Path) -> None:
                              env={"MFSDP_HOTFIX_DISABLED_FIXES": "getter-guard"}))
     assert data["init"] == "function"
     assert fixes(data) == {"getter-guard": "disabled", "ordered-drain": "applied",
-                           "missed-post-backward": "not needed",
+                           "missed-post-backward": "applied",
                            "zero1-accumulate": "applied",
                            "reduce-once": "applied",
         "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
@@ -231,7 +231,7 @@ def test_refused_copy_warns_once_and_keeps_only_the_fixes_that_rest_on_none_of_i
     data = report(proc)
     assert data["drain"] == "function" and data["init"] == "function"
     assert fixes(data) == {"getter-guard": "refused", "ordered-drain": "refused",
-                           "missed-post-backward": "not needed",
+                           "missed-post-backward": "applied",
                            "zero1-accumulate": "applied", "reduce-once": "applied",
         "single-rank-reduce": "applied", "core-linear-accumulate": "not needed",
         "inert-warm-up": "applied", "root-forward-hooks": "applied",
@@ -245,7 +245,8 @@ def test_refused_copy_warns_once_and_keeps_only_the_fixes_that_rest_on_none_of_i
     assert proc.stderr.count("NOT patching megatron-fsdp") == 1
     assert "run with fsdp_double_buffer=False to avoid the double-buffer gradient bugs (ZeRO-2/3)" \
         in proc.stderr
-    assert "Still applied: zero1-accumulate, reduce-once, single-rank-reduce" in proc.stderr
+    assert ("Still applied: missed-post-backward, zero1-accumulate, reduce-once, "
+            "single-rank-reduce") in proc.stderr
 
 
 def test_a_refusal_names_the_workaround_of_each_defect_left(modified_release: Path) -> None:
@@ -256,7 +257,7 @@ def test_a_refusal_names_the_workaround_of_each_defect_left(modified_release: Pa
             in proc.stderr), proc.stderr
     assert ("is not repaired either: ZeRO-2 or ZeRO-3 (optim_grads, optim_grads_params) or "
             "fused wgrad accumulation off") in proc.stderr
-    assert "Still applied: reduce-once" in proc.stderr
+    assert "Still applied: missed-post-backward, reduce-once" in proc.stderr
 
 
 def test_strict_mode_turns_a_refusal_into_an_error(modified_release: Path) -> None:

@@ -154,12 +154,14 @@ def test_status(installed: Installed) -> None:
     assert plain.returncode == 0 and plain.stderr == "", plain.stderr
     lines = plain.stdout.splitlines()
     assert lines[:4] == ["affected: megatron-fsdp 0.5.1 (era B) — protected: the hotfix is armed",
-                         "  applies getter-guard, ordered-drain, zero1-accumulate, reduce-once, "
-                         "single-rank-reduce, inert-warm-up, root-forward-hooks, auto-sync-stop",
+                         "  applies getter-guard, ordered-drain, missed-post-backward, "
+                         "zero1-accumulate, reduce-once, single-rank-reduce, inert-warm-up, "
+                         "root-forward-hooks, auto-sync-stop",
                          f"  {REFUSES_HSDP}", f"  {REFUSES_TE_GRAPHS}"], lines
     assert lines[4].startswith("- megatron-fsdp 0.5.1 (era B): getter-guard, ordered-drain, "
-                               "zero1-accumulate, reduce-once, single-rank-reduce, inert-warm-up, "
-                               "root-forward-hooks, auto-sync-stop would apply; at "), lines
+                               "missed-post-backward, zero1-accumulate, reduce-once, "
+                               "single-rank-reduce, inert-warm-up, root-forward-hooks, "
+                               "auto-sync-stop would apply; at "), lines
     assert re.fullmatch(r"mfsdp-hotfix \S+, in a new Python process of this environment: the "
                         r"hotfix is armed at interpreter start by \S+/site-packages/"
                         r"mfsdp_hotfix\.pth", lines[5]), lines
@@ -182,9 +184,10 @@ def test_status_path(installed: Installed) -> None:
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[:4] == ["affected: megatron-fsdp 0.5.1 (era B) — repaired where the hotfix is "
-                         "loaded", "  applies getter-guard, ordered-drain, zero1-accumulate, "
-                         "reduce-once, single-rank-reduce, inert-warm-up, root-forward-hooks, "
-                         "auto-sync-stop", f"  {REFUSES_HSDP}", f"  {REFUSES_TE_GRAPHS}"], lines
+                         "loaded", "  applies getter-guard, ordered-drain, missed-post-backward, "
+                         "zero1-accumulate, reduce-once, single-rank-reduce, inert-warm-up, "
+                         "root-forward-hooks, auto-sync-stop", f"  {REFUSES_HSDP}",
+                         f"  {REFUSES_TE_GRAPHS}"], lines
     assert lines[4].startswith("- megatron-fsdp 0.5.1 (era B): "), lines
     assert f"for the folder {folder}, read from disk (nothing imported)" in proc.stdout
 
@@ -201,14 +204,15 @@ def test_switched_off(installed: Installed) -> None:
         "  instead: use fsdp_double_buffer=False\n"
         "  instead: for zero1-fused-wgrad-overwrite use "), check.stdout[-2000:]
     assert ": the hotfix is off: MFSDP_HOTFIX=0 switches every fix off" in check.stdout
-    assert "    missed-post-backward: not needed (" in check.stdout, check.stdout[-2000:]
+    assert "    missed-post-backward: off" in check.stdout, check.stdout[-2000:]
     unfixed = check.stdout.split("\nLeft unfixed:\n", 1)[1].splitlines()
     # and the defect nothing refuses with the hotfix off
     assert unfixed.pop().split(": ", 1)[1].startswith("release defect te-partial-cuda-graphs not "
                                                       "repaired"), unfixed
     assert [line.rsplit(": ", 1)[1] for line in unfixed] == [
         "getter-guard off (MFSDP_HOTFIX=0)", "ordered-drain off (MFSDP_HOTFIX=0)",
-        "zero1-accumulate off (MFSDP_HOTFIX=0)", "reduce-once off (MFSDP_HOTFIX=0)",
+        "missed-post-backward off (MFSDP_HOTFIX=0)", "zero1-accumulate off (MFSDP_HOTFIX=0)",
+        "reduce-once off (MFSDP_HOTFIX=0)",
         "single-rank-reduce off (MFSDP_HOTFIX=0)", "inert-warm-up off (MFSDP_HOTFIX=0)",
         "root-forward-hooks off (MFSDP_HOTFIX=0)", "auto-sync-stop off (MFSDP_HOTFIX=0)"], unfixed
     proc = installed.sh("MFSDP_HOTFIX=0 python -c 'import megatron_fsdp, mfsdp_hotfix; "
@@ -369,7 +373,8 @@ def test_the_example_job_through_the_audit(installed: Installed) -> None:
     assert re.search(r"^mfsdp_hotfix audit, 2 ranks: ordered: 0 unordered of [1-9]\d* "
                      r"gradient-slot reuses", proc.stderr, re.M), proc.stderr[-3000:]
     assert ("mfsdp_hotfix: megatron-fsdp 0.5.1 era B: getter-guard, ordered-drain, "
-            "zero1-accumulate, reduce-once, single-rank-reduce") in proc.stdout
+            "missed-post-backward, zero1-accumulate, reduce-once, single-rank-reduce"
+            ) in proc.stdout
     assert verdict_line(proc.stdout).startswith("audit: ordered: ")
     files = sorted(example.iterdir())
     written = [f.read_bytes() for f in files]

@@ -133,7 +133,7 @@ def test_status_says_which_function_matched_which_shape_and_how(tmp_path: Path) 
         "implies": "waits on rs_stream, keeps 2 units live"}
     assert FixStates({fix: state["state"] for fix, state in copy["fixes"].items()}) == {
         "getter-guard": "not needed", "ordered-drain": "would apply",
-        "missed-post-backward": "not needed",
+        "missed-post-backward": "would apply",
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply",
         "single-rank-reduce": "would apply", "core-linear-accumulate": "not needed",
@@ -155,7 +155,7 @@ def test_status_of_a_git_snapshot_says_it_is_judged_by_its_code(tmp_path: Path) 
     assert copy["reason"] == "era B by code shape"
     assert FixStates({fix: state["state"] for fix, state in copy["fixes"].items()}) == {
         "getter-guard": "would apply", "ordered-drain": "would apply",
-        "missed-post-backward": "not needed",
+        "missed-post-backward": "would apply",
         "zero1-accumulate": "would apply",
         "reduce-once": "would apply",
         "single-rank-reduce": "would apply", "core-linear-accumulate": "not needed",

@@ -248,7 +248,7 @@ def test_unverified_shape_refuses_zero3_double_buffer(unknown_hooks_shape: Path)
                               "at "), describe(refused)
     for words in ("ZeRO-3 (optim_grads_params) with fsdp_double_buffer=True",
                   "missed-post-backward is unverified", "fsdp_double_buffer=False",
-                  "megatron-fsdp >= 0.3.0"):
+                  "megatron-fsdp >= 0.6.0"):
         assert words in message, message
     (copy,) = refused.hotfix_status["copies"]
     assert copy["fixes"]["missed-post-backward"]["state"] == "unverified"

@@ -57,7 +57,7 @@ def test_pr146_alone_leaves_slot_reuse_unordered(rebuilt: dict[str, str]) -> Non
 def test_pr146_gets_ordered_drain_and_every_reuse_is_ordered(rebuilt: dict[str, str]) -> None:
     patched = rocm(rebuilt["rocm-146"], "on")
     assert fix_states(patched) == {"getter-guard": "not needed", "ordered-drain": "applied",
-                                   "missed-post-backward": "not needed",
+                                   "missed-post-backward": "applied",
                                    "zero1-accumulate": "applied",
                                    "reduce-once": "applied", "single-rank-reduce": "applied",
                                    "core-linear-accumulate": "applied",
