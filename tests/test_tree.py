@@ -92,10 +92,12 @@ def test_the_clone_as_checked_out(tmp_path: Path) -> None:
     assert copy["package_info"][f"{VENDORED}/package_info.py"] == "0.7.0rc0"
     assert [v2["package"] for v2 in data["v2_copies"]] == [
         f"{registry.COPIES[1].package}.experimental"]
-    # the standalone layout of the same commit gets the same verdict
+    # the standalone layout of the same commit gets the same verdict on Megatron-FSDP's own
+    # functions (megatron-core's optimizer, a gate outside it, is not in that layout)
     (standalone,) = tree.judge(str(releases.git_tree("main")))["copies"]
-    assert (standalone["copy"], standalone["era"], standalone["shapes"]) == (
-        "megatron-fsdp", "C", copy["shapes"])
+    assert (standalone["copy"], standalone["era"]) == ("megatron-fsdp", "C")
+    assert set(copy["shapes"]) - set(standalone["shapes"]) == {"get_megatron_optimizer"}
+    assert standalone["shapes"] == {name: copy["shapes"][name] for name in standalone["shapes"]}
 
 
 def test_megatron_core_0_13_custom_fsdp_is_refused_as_on_import(tmp_path: Path) -> None:
