@@ -26,6 +26,7 @@ already reduced them.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from types import ModuleType
 from typing import Any
@@ -33,6 +34,13 @@ from typing import Any
 from .. import guard
 from ..fix_catalogue import MISSED_POST_BACKWARD
 from ..patching import Undo, wrap_attribute
+
+
+@functools.cache
+def _released_per_pass(pipeline_type: Any) -> bool:
+    """From 0.16 a bucket has a key per pass (``bwd``); the missed hook releases the backward
+    one. Read once per pipeline class: this runs before every forward."""
+    return "bwd" in inspect.signature(pipeline_type.release_bucket).parameters
 
 
 def finish_missed_post_backwards(model: Any) -> int:
@@ -48,8 +56,7 @@ def finish_missed_post_backwards(model: Any) -> int:
     units = tuple(model.fsdp_unit_modules)
     bucket_of = model.param_and_grad_buffer.param_to_param_group
     release = model.all_gather_pipeline.release_bucket
-    # From 0.16 a bucket has a key per pass (bwd); the missed hook releases the backward one.
-    per_pass = "bwd" in inspect.signature(release).parameters
+    per_pass = _released_per_pass(model.all_gather_pipeline.__class__)
     # Between steps the module holds the optimizer's DTensor parameters; the buffer knows the
     # raw ones, by the same names.
     raw = model.raw_param
