@@ -54,7 +54,7 @@ def config_key(c: dict[str, Any]) -> str:
                              ("fused" if c["fusion"] else "unfused",
                               c["fusion"] != fusion_default),
                              ("recompute", c["recompute"]), ("moe", c["moe"]),
-                             ("op-fuser", c.get("op_fuser", False)),
+                             ("op-fuser", c["op_fuser"]),
                              ("no-overlap", not c["overlap_grad_reduce"]),
                              ("det", c["deterministic"])) if on]
     layout = f"zero{c['zero']}" if c["fsdp"] else "ddp"
