@@ -303,14 +303,16 @@ def _auto_sync_in_place(model: object) -> bool:
 AUTO_SYNC_STOP = Fix(
     "auto-sync-stop",
     "with model auto-sync (sync_model_each_microbatch=True) and a gradient buffer reduced in "
-    "place (ZeRO-1 or no_shard over 2 or more ranks, HSDP), a second microbatch before "
-    "zero_grad_buffer stops the step instead of reducing the reduced sum again",
+    "place (ZeRO-1 over 2 or more ranks, no_shard over 2 or more without an average, HSDP), a "
+    "second microbatch before zero_grad_buffer stops the step instead of reducing the reduced "
+    "sum again",
     "auto_sync_stop", MODEL,
     "never: every release and NVIDIA main reduce such a buffer in place",
     "not fixed upstream as of megatron-core 0.19.2 / megatron-fsdp 0.6.1 and NVIDIA main: the "
     "release warns that the buffer must then be zeroed every microbatch",
     limits=(Limit("model auto-sync (sync_model_each_microbatch=True) with a gradient buffer "
-                  "reduced in place (ZeRO-1 or no_shard over 2 or more ranks, HSDP)",
+                  "reduced in place (ZeRO-1 over 2 or more ranks, no_shard over 2 or more "
+                  "without an average, HSDP)",
                   _auto_sync_in_place,
                   "silently wrong gradients with 2 or more microbatches per step: each "
                   "microbatch's synchronisation reduces the microbatches already reduced again",

@@ -5,6 +5,7 @@ decides from a copy's fix states which of them are covered, and refuses the othe
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,23 +128,41 @@ def _averaged_over_one_shard_rank(model: Any) -> bool:
                for group in groups)
 
 
+def _averaged_over_its_group(grads: Any) -> bool:
+    """The buffer's reduction scales by one over its group's size (``gradient_scaling_factor``
+    times the size is one): an average, whose terms already averaged come back unchanged but
+    for rounding, as every rank holds them. NCCL's AVG of ``average_in_collective`` (a factor
+    of 1.0 over two or more ranks) is left out: gloo has no AVG, so it was not measured."""
+    factor = grads.gradient_scaling_factor
+    return factor is not None and math.isclose(factor * grads.data_parallel_group.size(), 1.0)
+
+
 def reduced_in_place(model: Any) -> str | None:
     """What of ``model`` (a built ``MegatronFSDP``) each gradient synchronisation reduces in
-    place, in words (HSDP's DP-Outer all-reduce; an unsharded buffer over two or more ranks,
-    or scaled at each reduction); None where a reduction of an accumulated buffer is right."""
+    place so that terms already reduced change, in words (HSDP's DP-Outer all-reduce; ZeRO-1's
+    reduce-scatter over two or more ranks; no_shard's all-reduce over two or more ranks where
+    it does not average; a one-rank buffer scaled at each reduction); None where a reduction of
+    an accumulated buffer is right, or right but for rounding (an average)."""
     if replicated_over_outer_group(model):
         # Over a one-rank DP-Shard group, what an averaging all-reduce over DP-Outer reduces
         # again is the same on every rank, so it comes back unchanged; a SUM doubles it.
         return None if _averaged_over_one_shard_rank(model) else "HSDP's all-reduce over DP-Outer"
-    if model.ddp_config.data_parallel_sharding_strategy in SHARDED_GRADS:
+    strategy = model.ddp_config.data_parallel_sharding_strategy
+    if strategy in SHARDED_GRADS:
         return None
     for group in model.param_and_grad_buffer.parameter_groups:
         grads = group.main_grad_buffer
         if grads is None:
             continue
         if grads.data_parallel_group.size() > 1:
-            return "an unsharded buffer over two or more data-parallel ranks"
-        if grads.gradient_scaling_factor not in (None, 1.0):
+            if strategy == "optim":
+                # The reduce-scatter writes the rank's shard only: the rest of the buffer keeps
+                # the rank's own terms, which the next reduction adds again.
+                return "ZeRO-1's buffer, reduce-scattered over two or more data-parallel ranks"
+            if not _averaged_over_its_group(grads):
+                return ("no_shard's buffer over two or more data-parallel ranks, not averaged "
+                        "over them")
+        elif grads.gradient_scaling_factor not in (None, 1.0):
             return "an unsharded buffer scaled at each reduction"
     return None
 

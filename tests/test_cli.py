@@ -86,7 +86,8 @@ def test_oldest_release_names_its_zero3_coverage(fsdp_release) -> None:
         "a root module that owns parameters, or whose module registered last has parameters "
         "(it may not be the last to run in forward)": True,
         "model auto-sync (sync_model_each_microbatch=True) with a gradient buffer reduced in "
-        "place (ZeRO-1 or no_shard over 2 or more ranks, HSDP)": True,
+        "place (ZeRO-1 over 2 or more ranks, no_shard over 2 or more without an average, "
+        "HSDP)": True,
         "ZeRO-1 (optim)": True,
         "ZeRO-2/3 (optim_grads, optim_grads_params) with a gradient buffer whose data-parallel "
         "group has one rank (data-parallel size 1; experts with expert-parallel size equal to "

@@ -2,17 +2,19 @@
 place, so a step's second microbatch is stopped instead of reduced again.
 
 With ``sync_model_each_microbatch=True`` (``fully_shard``'s default) every backward ends with a
-full gradient synchronisation. Where the gradient buffer is reduced in place (ZeRO-1 and no_shard
-over two or more data-parallel ranks, or scaled over one; HSDP's all-reduce over DP-Outer, any
-inner strategy), a second microbatch added to it is reduced again together with the first, which
-was reduced already: silently wrong gradients, in every release and on NVIDIA main. The release
-warns of it when the option is set (``set_model_auto_sync``: the buffer must be zeroed every
-microbatch), and Megatron-LM's protocol (``no_sync()``, ``sync_model_each_microbatch=False``)
-never does it. No repair makes an already reduced sum right, so the second synchronisation of
-a step (``finish_grad_sync`` twice without ``zero_grad_buffer`` in between) raises
-:class:`~mfsdp_hotfix.UnsupportedConfiguration` with the way around it, before the optimizer
-step can use the gradients. One microbatch per step, ZeRO-2/3 without HSDP (sharded buffers,
-whose microbatches land in fresh buckets) and an unscaled one-rank buffer are right and run
+full gradient synchronisation. Where the gradient buffer is reduced in place (ZeRO-1 over two or
+more data-parallel ranks; no_shard over two or more without an average over them, or scaled over
+one; HSDP's all-reduce over DP-Outer, any inner strategy), a second microbatch added to it is
+reduced again together with the first, which was reduced already: silently wrong gradients, in
+every release and on NVIDIA main. The release warns of it when the option is set
+(``set_model_auto_sync``: the buffer must be zeroed every microbatch), and Megatron-LM's protocol
+(``no_sync()``, ``sync_model_each_microbatch=False``) never does it. No repair makes an already
+reduced sum right, so the second synchronisation of a step (``finish_grad_sync`` twice without
+``zero_grad_buffer`` in between) raises :class:`~mfsdp_hotfix.UnsupportedConfiguration` with the
+way around it, before the optimizer step can use the gradients. One microbatch per step,
+ZeRO-2/3 without HSDP (sharded buffers, whose microbatches land in fresh buckets), an unscaled
+one-rank buffer and no_shard averaging over its group (every rank holds the same average of the
+earlier microbatches, which averaging again gives back but for rounding) are right and run
 untouched.
 """
 
