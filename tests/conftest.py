@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from installed import installed  # noqa: E402, F401  (session fixture: this package as installed)
+
+# The signal tests send SIGINT as a terminal's Ctrl-C would. A pytest started as a background job
+# of a non-interactive shell inherits SIGINT ignored, and every child it starts would too; a
+# Python handler is not inherited, so the children start with the default, as under a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The detail line of ``status``'s verdict for a copy whose ZeRO-1 and no_shard reduce twice without
 # overlap: no fix makes HSDP right there (neither the release nor reduce-once).
