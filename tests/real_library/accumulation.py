@@ -340,6 +340,8 @@ def equal(case: Case, run: dict[str, Any]) -> bool:
 
 
 def _re_averaged(case: Case) -> bool:
+    """Model auto-sync averages no_shard's buffer again at every microbatch: right, but for
+    rounding (no ``AUTO_SYNC_ACCUMULATION``; the bound ``RE_AVERAGED``)."""
     return (case.protocol == AUTO_SYNC and case.microbatches > 1
             and STRATEGIES[case.layout]["strategy"] == "no_shard"
             and case.grad_reduce != "per-token")
@@ -377,12 +379,9 @@ def present(case: Case) -> list[str]:
             or (strategy == "no_shard" and release >= (0, 5, 0)
                 and case.grad_reduce == "per-token")):  # a second average changes nothing
         found.append(REDUCED_TWICE)
-    if (case.protocol == AUTO_SYNC and several and world > 1
-            and (strategy == "optim" or world == 4 or layout.get("experts")
-                 or (strategy == "no_shard" and case.grad_reduce == "per-token"))):
-        # an unsharded buffer reduced (scaled) in place; no_shard's average gives back the
-        # average of the microbatches reduced already
-        found.append(AUTO_SYNC_ACCUMULATION)
+    if (case.protocol == AUTO_SYNC and several and world > 1 and not _re_averaged(case)
+            and (strategy in ("optim", "no_shard") or world == 4 or layout.get("experts"))):
+        found.append(AUTO_SYNC_ACCUMULATION)  # an unsharded buffer reduced (scaled) in place
     doubles = (0, 3, 0) <= release < (0, 4, 0)  # adds the reduced bucket onto itself
     if size_one and strategy != "optim" and (
             doubles or (several and (case.linear == "emulated" or layout.get("experts")))):
