@@ -38,8 +38,8 @@ def test_selftest_audit_agrees_with_the_stand_in_on_0_5_1() -> None:
                                  "first_unordered", "crashed")} == {
         "package": "megatron_fsdp", "version": "0.5.1", "era": "B",
         "fixes": ["auto-sync-stop", "getter-guard", "inert-warm-up", "missed-post-backward",
-                  "ordered-drain",
-                  "reduce-once", "root-forward-hooks", "single-rank-reduce", "zero1-accumulate"],
+                  "ordered-drain", "reduce-once", "root-forward-hooks", "single-rank-reduce",
+                  "zero1-accumulate"],
         "audited": True,
         "unordered": 0,
         "first_unordered": None, "crashed": False}
